@@ -360,6 +360,8 @@ def _instantiate(merged: Any) -> Any:
             continue
         try:
             OmegaConf.to_object(merged[form])
+        except RecipeError as err:
+            raise RecipeError(f"{form}.{err}") from None
         except OmegaConfBaseException as err:
             cause = err.__cause__ or err.__context__
             if isinstance(cause, RecipeError):
