@@ -1,12 +1,9 @@
-"""Shared helpers for the protection tests."""
+"""Fixtures for the protection tests (helpers live in rs_helpers.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from leto_lightning.protection import gf256
 from leto_lightning.protection.engines import available_engines, get_engine
 
 ENGINE_NAMES = available_engines()
@@ -16,18 +13,3 @@ ENGINE_NAMES = available_engines()
 def engine(request):
     """Every engine that can run on this machine."""
     return get_engine(request.param)
-
-
-def random_pages(rng: np.random.Generator, count: int, length: int) -> list[torch.Tensor]:
-    return [torch.from_numpy(rng.integers(0, 256, length, dtype=np.uint8)) for _ in range(count)]
-
-
-def reference_dot(matrix: np.ndarray, srcs: list[torch.Tensor]) -> list[np.ndarray]:
-    """Slow but obviously right: table lookups per coefficient, in numpy."""
-    out = []
-    for row in matrix:
-        acc = np.zeros(srcs[0].numel(), dtype=np.uint8)
-        for c, s in zip(row, srcs):
-            acc ^= gf256.MUL_TABLE[c][s.numpy()]
-        out.append(acc)
-    return out
