@@ -1,0 +1,77 @@
+"""Configuration of retained memory and its protection, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RetainedConfig:
+    """How retained state is paged, chunked and protected.
+
+    page_bytes:   size of one page; the unit of checksums and erasure coding.
+    chunk_pages:  pages per region in one chunk transaction (a chunk's working set -- params,
+                  state and its undo copy -- should fit in the last-level cache).
+    data_pages:   D, data pages per tier-1 protection group.
+    tier1_parity: H1, Reed-Solomon parity pages per tier-1 group (repairs H1 lost pages).
+    tier2_parity: H2, parity pages per tier-2 stripe (one page from each device of a node);
+                  repairs the loss of H2 whole devices' state. Ignored with a single device.
+    protect_grads: keep tier-1 parity over the retained gradients too, so a roll-forward
+                  survives a damaged gradient page.
+    record_bytes: capacity of one progress-record slot (two slots are kept).
+    engine:       erasure engine: "auto" (ISA-L when available, else torch), "isal", "torch".
+    """
+
+    page_bytes: int = 1 * MiB
+    chunk_pages: int = 1
+    data_pages: int = 8
+    tier1_parity: int = 1
+    tier2_parity: int = 1
+    protect_grads: bool = True
+    record_bytes: int = 1 * MiB
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive("page_bytes", self.page_bytes)
+        _positive("chunk_pages", self.chunk_pages)
+        _positive("data_pages", self.data_pages)
+        _positive("record_bytes", self.record_bytes)
+        if self.page_bytes % 64:
+            raise ValueError(
+                f"page_bytes={self.page_bytes} must be a multiple of 64 B (cache line, and every element size)"
+            )
+        for name in ("tier1_parity", "tier2_parity"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0")
+        if self.tier1_parity > self.data_pages:
+            raise ValueError(
+                f"tier1_parity={self.tier1_parity} exceeds data_pages={self.data_pages}: more parity than data "
+                "per group is wasted memory -- lower tier1_parity or raise data_pages"
+            )
+        if self.data_pages + self.tier1_parity > 255:
+            raise ValueError(
+                f"data_pages + tier1_parity = {self.data_pages + self.tier1_parity} > 255: Reed-Solomon over GF(2^8) "
+                "codes at most 255 pages per group"
+            )
+        if self.engine not in ("auto", "isal", "torch"):
+            raise ValueError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
+
+    def check_devices(self, n_devices: int) -> None:
+        """Tier 2 spans the devices of a node: validate H2 against how many there are."""
+        if n_devices >= 2 and self.tier2_parity > n_devices:
+            raise ValueError(
+                f"tier2_parity={self.tier2_parity} exceeds the {n_devices} devices per node it protects"
+            )
+        if n_devices + self.tier2_parity > 255:
+            raise ValueError(f"{n_devices} devices + tier2_parity={self.tier2_parity} > 255 (GF(2^8) limit)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,130 @@
+"""POSIX shared-memory segments: the CPU backing of retained memory.
+
+A segment outlives the process that maps it: it stays in ``/dev/shm`` until it is unlinked.
+That is exactly the property Leto needs (a trainer's death frees nothing retained), and also
+the reason every segment carries a job-unique prefix and is removed explicitly when the job
+ends (``unlink_segments``) -- a leak would survive the test or job that made it.
+
+We use ``_posixshmem.shm_open`` + ``mmap`` rather than ``multiprocessing.shared_memory``:
+on Python < 3.13 the latter registers even *attached* segments with the resource tracker,
+which unlinks them when the attaching process (a trainer) exits -- the opposite of retention.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+try:  # CPython's private helper, present on every POSIX build
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "leto-"
+
+
+def new_job_id() -> str:
+    """A short random id that makes segment names unique per job (and per test)."""
+    return secrets.token_hex(6)
+
+
+def segment_name(job_id: str, *parts: object) -> str:
+    return SEGMENT_PREFIX + job_id + "-" + "-".join(str(p) for p in parts)
+
+
+@dataclass
+class SharedSegment:
+    """One mapped POSIX shared-memory segment, exposed as a flat ``torch.uint8`` tensor."""
+
+    name: str
+    nbytes: int
+    owner: bool = False
+    _mmap: mmap.mmap | None = field(default=None, repr=False)
+    _tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> "SharedSegment":
+        """Create a new zero-filled segment readable and writable only by this user (0600)."""
+        if nbytes <= 0:
+            raise ValueError(f"segment {name!r}: size must be positive, got {nbytes}")
+        fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name=name, nbytes=nbytes, owner=True, _mmap=mm)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedSegment":
+        """Map an existing segment (e.g. from a shadow trainer after the active one died)."""
+        fd = _shm_open(name, os.O_RDWR, 0o600)
+        try:
+            nbytes = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name=name, nbytes=nbytes, owner=False, _mmap=mm)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole segment as a writable uint8 tensor (a view, no copy)."""
+        if self._tensor is None:
+            if self._mmap is None:
+                raise RuntimeError(f"segment {self.name!r} is closed")
+            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._tensor
+
+    def close(self) -> None:
+        """Drop this process's mapping; the segment itself stays until unlinked.
+
+        Tensors viewing the mapping keep it alive (``mmap`` refuses to close while buffers are
+        exported); in that case the mapping is released when the last view is collected.
+        """
+        self._tensor = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass
+            self._mmap = None
+
+    def unlink(self) -> None:
+        unlink_segment(self.name)
+
+
+def _shm_open(name: str, flags: int, mode: int) -> int:
+    if _posixshmem is not None:
+        return _posixshmem.shm_open("/" + name, flags, mode)
+    return os.open(os.path.join(SHM_DIR, name), flags, mode)  # pragma: no cover
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove one segment; returns False when it was already gone."""
+    try:
+        if _posixshmem is not None:
+            _posixshmem.shm_unlink("/" + name)
+        else:  # pragma: no cover
+            os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Names of the segments in /dev/shm starting with ``prefix`` (leak checks, cleanup)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        return []
+
+
+def unlink_segments(job_id: str) -> list[str]:
+    """Remove every segment of one job; returns the names removed."""
+    removed = [n for n in list_segments(SEGMENT_PREFIX + job_id + "-") if unlink_segment(n)]
+    return removed
