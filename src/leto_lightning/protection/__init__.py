@@ -1,1 +1,18 @@
-"""protection"""
+"""protection: Reed-Solomon parity over retained pages (DESIGN.md 2.2)."""
+
+from .checksum import CHECKSUM_ALGORITHM, checksum, checksum_many
+from .codec import ReedSolomonCode
+from .engines import ErasureEngine, available_engines, get_engine
+from .errors import ParityExhaustedError, ProtectionError
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "ErasureEngine",
+    "ParityExhaustedError",
+    "ProtectionError",
+    "ReedSolomonCode",
+    "available_engines",
+    "checksum",
+    "checksum_many",
+    "get_engine",
+]
