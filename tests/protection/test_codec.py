@@ -196,3 +196,18 @@ def test_engines_agree_on_codes(group):
         results.append(parity)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_apply_delta_edge_cases(engine, m):
+    code = ReedSolomonCode(4, m, engine)
+    data = _pages(9, 4, 300)
+    parity = [torch.empty(300, dtype=torch.uint8) for _ in range(m)]
+    code.encode(data, parity)
+    before = [p.clone() for p in parity]
+    code.apply_delta(2, data[2], data[2], parity)  # no change: parity untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, parity))
+    with pytest.raises(ValueError, match="bytes"):
+        code.apply_delta(2, data[2], data[1], parity, torch.empty(299, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        code.apply_delta(2, data[2], data[1][:299], parity)
