@@ -24,7 +24,14 @@ def _pages(seed: int, count: int, length: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     "k,m,match",
-    [(0, 0, "k=0"), (4, -1, "m=-1"), (2, 3, "m=3 > k=2"), (200, 56, "k \\+ m = 256"), (True, 1, "int"), (4, 1.0, "int")],
+    [
+        (0, 0, "k=0"),
+        (4, -1, "m=-1"),
+        (2, 3, "m=3 > k=2"),
+        (200, 56, "k \\+ m = 256"),
+        (True, 1, "int"),
+        (4, 1.0, "int"),
+    ],
 )
 def test_rejects_bad_parameters(k, m, match):
     with pytest.raises(ValueError, match=match):

@@ -60,7 +60,9 @@ def _dot_row(row: np.ndarray, srcs: Sequence[torch.Tensor], dst: torch.Tensor, t
             dst.bitwise_xor_(srcs[i])
 
 
-def _mad_block(coeffs: np.ndarray, src: torch.Tensor, dsts: Sequence[torch.Tensor], power: torch.Tensor, tmp: torch.Tensor) -> None:
+def _mad_block(
+    coeffs: np.ndarray, src: torch.Tensor, dsts: Sequence[torch.Tensor], power: torch.Tensor, tmp: torch.Tensor
+) -> None:
     """``dsts[j] ^= coeffs[j] * src`` for one block, via the powers ``x^t * src``."""
     top = _top_bit(coeffs)
     current = src
