@@ -29,8 +29,12 @@ SEGMENT_PREFIX = "leto-"
 
 
 def new_job_id() -> str:
-    """A short random id that makes segment names unique per job (and per test)."""
-    return secrets.token_hex(6)
+    """A short random id that makes segment names unique per job (and per test).
+
+    ``LETO_JOB_PREFIX`` (if set) is prepended: a test session sets it so its leak checks see
+    only its own segments, even with other jobs running on the machine.
+    """
+    return os.environ.get("LETO_JOB_PREFIX", "") + secrets.token_hex(6)
 
 
 def segment_name(job_id: str, *parts: object) -> str:

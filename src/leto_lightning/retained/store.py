@@ -25,6 +25,7 @@ from functools import cached_property
 
 import torch
 
+from ..faults.points import point
 from ..protection.groups import Tier1Plan, Tier2Plan
 from .config import RetainedConfig
 from .layout import ParamSlot, StoreLayout, dtype_of
@@ -193,7 +194,8 @@ class RetainedStore:
         self.steps = views["steps"].view(torch.float32)[: lay.n_pieces]
         self.crcs = views["crcs"]
         self.undo_header = views["undo"]
-        self.record = ProgressRecord(meta[8 * offset : 8 * offset + 2 * cfg.record_bytes])
+        self.record = ProgressRecord(meta[8 * offset : 8 * offset + 2 * cfg.record_bytes],
+                                     on_half_written=lambda: point("record.half_written"))
 
     def page(self, p: int) -> torch.Tensor:
         return self.pages[p]

@@ -79,6 +79,7 @@ class ChunkTransactions:
     ) -> None:
         """Prepare, agree (``barrier``), update every chunk, commit."""
         self.prepare(iteration, hparams, payload, skip_params)
+        point("prepare.barrier", iteration=iteration)
         if barrier is not None:
             barrier()
         self.update_chunks(iteration, hparams, skip_params)

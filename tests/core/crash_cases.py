@@ -1,0 +1,95 @@
+"""One crash case: kill rank(s) at chosen points of iteration t, recover in a fresh process,
+train one more iteration, and compare with the fault-free reference."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from leto_lightning.faults.crash import KillPoint, PointRecorder, run_in_child
+from leto_lightning.faults.points import set_hook
+from leto_lightning.faults.scenario import CoreScenario, differences, run_step, snapshot
+from leto_lightning.retained.store import RetainedStore
+from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.transaction import PREPARED
+
+MAX_T = 3  # kill in iteration 0..MAX_T-1; the reference runs MAX_T + 1 iterations
+
+
+def step_points(scenario: CoreScenario) -> list[KillPoint]:
+    """Every injection point one rank passes in one iteration (a dry run)."""
+    job = scenario.create_job()
+    recorder = PointRecorder()
+    previous = set_hook(recorder)
+    try:
+        job.step(0, 0)
+    finally:
+        set_hook(previous)
+        job.close()
+    return recorder.points
+
+
+@dataclass
+class CaseResult:
+    iteration: int
+    kills: dict
+    resume_iteration: int
+    expected_resume: int
+    diffs: dict
+    reports: list
+
+    @property
+    def ok(self) -> bool:
+        return self.resume_iteration == self.expected_resume and not any(self.diffs.values())
+
+
+def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: int) -> CaseResult:
+    rng = random.Random(seed)
+    job = scenario.create_job()
+    try:
+        t = rng.randrange(MAX_T)
+        for it in range(t):
+            for r in range(scenario.n_ranks):
+                job.step(r, it)
+        ranks = list(range(scenario.n_ranks))
+        victims = rng.choice([[r] for r in ranks] + [ranks])
+        kills = {r: rng.choice(points) for r in victims}
+        for r in victims:
+            res = run_in_child(lambda r=r: _shadow_step(job, r, t), kill_at=kills[r])
+            assert res.killed, f"rank {r} never reached {kills[r]}"
+        all_prepared = all(_prepared(job, r, t) for r in victims)
+        for r in ranks:
+            if r not in victims:  # survivors: finish, or block at the barrier and get killed there
+                kill = None if all_prepared else KillPoint("prepare.barrier")
+                run_in_child(lambda r=r: _shadow_step(job, r, t), kill_at=kill)
+        result = run_in_child(lambda: _recover_and_continue(job, t + 1))
+        resume, states, reports = result.value
+        diffs = {r: differences(states[r], reference[r][t + 2]) for r in ranks}
+        return CaseResult(t, {r: str(k) for r, k in kills.items()}, resume, t + 1 if all_prepared else t, diffs, reports)
+    finally:
+        job.close()
+
+
+def _prepared(job, rank: int, t: int) -> bool:
+    entry = job.stores[rank].record.read()
+    return entry is not None and entry.payload["status"] == PREPARED and entry.payload["iteration"] == t
+
+
+def _shadow_step(job, rank: int, t: int) -> None:
+    model, ro = job.attach_trainer(rank)
+    run_step(job.scenario, model, ro, rank, t)
+
+
+def _recover_and_continue(job, until: int):
+    """In a fresh process: recover every rank, then train through iteration ``until``."""
+    stores = {r: RetainedStore.attach(job.job_id, r) for r in range(job.scenario.n_ranks)}
+    reports = recover_node(stores)
+    resume = {rep.resume_iteration for rep in reports.values()}
+    assert len(resume) == 1, f"ranks disagree on the resume point: {resume}"
+    states = {}
+    for r in stores:
+        model, ro = job.attach_trainer(r)
+        for it in range(ro.iteration, until + 1):
+            run_step(job.scenario, model, ro, r, it)
+        states[r] = snapshot(model, ro.optimizer)
+    return resume.pop(), states, [rep.summary() for rep in reports.values()]
