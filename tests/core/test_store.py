@@ -1,0 +1,96 @@
+"""Retained memory: shared-memory segments, layout, progress record, configuration errors."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from leto_lightning.faults.crash import KillPoint, run_in_child
+from leto_lightning.faults.points import point
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.retained.layout import build_layout
+from leto_lightning.retained.record import ProgressRecord
+from leto_lightning.retained.shm import SHM_DIR, SharedSegment, list_segments, new_job_id, segment_name, unlink_segments
+
+
+def test_segments_are_private_and_survive_their_creator():
+    job = new_job_id()
+    name = segment_name(job, "x")
+
+    def make():
+        seg = SharedSegment.create(name, 4096)
+        seg.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        return stat.S_IMODE(os.stat(os.path.join(SHM_DIR, name)).st_mode)
+
+    try:
+        mode = run_in_child(make).value  # the creating process exits ...
+        assert mode == 0o600
+        seg = SharedSegment.attach(name)  # ... and the memory is still there
+        assert seg.tensor[:4].tolist() == [1, 2, 3, 4]
+        seg.close()
+    finally:
+        assert unlink_segments(job) == [name]
+    assert name not in list_segments()
+
+
+def test_record_survives_a_torn_write():
+    buf = torch.zeros(2 * 4096, dtype=torch.uint8)
+    rec = ProgressRecord(buf, on_half_written=lambda: point("record.half_written"))
+    rec.write({"iteration": 1})
+    rec.write({"iteration": 2})
+    shared = torch.zeros(2 * 4096, dtype=torch.uint8).share_memory_()
+    shared.copy_(buf)
+
+    def torn_write():
+        ProgressRecord(shared, on_half_written=lambda: point("record.half_written")).write({"iteration": 3, "x": "y" * 1000})
+
+    assert run_in_child(torn_write, kill_at=KillPoint("record.half_written")).killed
+    entry = ProgressRecord(shared).read()
+    assert entry.payload == {"iteration": 2}  # the newest intact entry, never the torn one
+    ProgressRecord(shared).write({"iteration": 3})
+    assert ProgressRecord(shared).read().payload == {"iteration": 3}
+
+
+def test_record_rejects_oversized_payload():
+    rec = ProgressRecord(torch.zeros(256, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="record_bytes"):
+        rec.write("x" * 1000)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(tier1_parity=9, data_pages=8), "tier1_parity=9 exceeds data_pages=8"),
+    (dict(data_pages=250, tier1_parity=6), "> 255"),
+    (dict(page_bytes=1000), "page_bytes=1000"),
+    (dict(page_bytes=0), "page_bytes=0"),
+    (dict(tier2_parity=-1), "tier2_parity=-1"),
+    (dict(engine="gpu"), "engine='gpu'"),
+])
+def test_invalid_settings_are_rejected_by_name(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        RetainedConfig(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_tier2_parity_checked_against_devices():
+    with pytest.raises(ValueError, match="tier2_parity=3 exceeds the 2 devices"):
+        RetainedConfig(tier2_parity=3).check_devices(2)
+
+
+def test_page_size_must_hold_whole_elements():
+    with pytest.raises(ValueError, match="not a multiple of the float64 element size"):
+        build_layout([[("w", (4,), torch.float64)]], family="adam", page_bytes=4)
+
+
+def test_layout_chunks_cover_every_element_once():
+    groups = [[("a", (5, 7), torch.float32), ("b", (3,), torch.bfloat16), ("c", (100,), torch.float32)],
+              [("d", (1,), torch.float32)]]
+    lay = build_layout(groups, family="adam", group_options=[{}, {}], page_bytes=64, chunk_pages=2)
+    covered = {}
+    for c, pieces in enumerate(lay.chunk_pieces):
+        for param, start, stop in pieces:
+            covered[param] = covered.get(param, 0) + (stop - start)
+    assert covered == {p.index: p.numel for p in lay.params}
+    assert [p.name for p in lay.params] == ["a", "b", "c", "d"]
