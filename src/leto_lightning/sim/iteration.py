@@ -17,6 +17,9 @@ The model (all per GPU, per iteration):
   all-reduce when the optimizer is not sharded, over DP for dense weights and over the expert
   data-parallel group (dp*tp/ep) for experts.
 - **pipeline**: 1F1B bubble of (pp-1)/vpp micro-batch stage times, plus P2P activations.
+- **elementwise**: norms, activations, residuals, softmax and MoE token permutation are memory
+  bound: the activation bytes of a layer (the memory model below) are moved 3 times (written in
+  the forward pass, read and rewritten in the backward pass) at 80% of HBM bandwidth.
 - **optimizer**: AdamW step is memory bound: 30 B touched per optimizer-shard parameter.
 - **overlap**: each communication is hidden behind compute by a fraction (``OverlapConfig``);
   DP can never hide more than the backward pass.
@@ -41,6 +44,8 @@ OPTIMIZER_STATE_BYTES = 12  # FP32 master weights + Adam m and v, per parameter
 # recomputation.
 ACT_BYTES_PER_SBH = 34
 RUNTIME_RESERVED_GB = 3.0   # assumption: CUDA context, NCCL buffers, allocator slack
+ELEMENTWISE_PASSES = 3      # assumption: activation bytes written (fwd), read + rewritten (bwd)
+HBM_EFFICIENCY = 0.8        # assumption: memory-bound kernels reach 80% of HBM bandwidth
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class IterationBreakdown:
     """Seconds per iteration by part (communication terms are the exposed part)."""
 
     compute_s: float
+    elementwise_s: float
     tp_s: float
     ep_s: float
     dp_s: float
@@ -76,7 +82,7 @@ class IterationBreakdown:
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_s + self.ep_s + self.dp_s + self.pp_s
+        return (self.compute_s + self.elementwise_s + self.tp_s + self.ep_s + self.dp_s + self.pp_s
                 + self.bubble_s + self.optimizer_s)
 
     def as_dict(self) -> Dict[str, float]:
@@ -234,16 +240,29 @@ def iteration_time(workload: Workload, hw: HardwareProfile,
     """Fault-free iteration time of ``workload`` on ``hw``, by part."""
     p = workload.parallel
     compute = _compute_s(workload, hw)
+    layers = workload.model.n_layers / p.pp * workload.micro_batches
+    elementwise = (ELEMENTWISE_PASSES * _activation_bytes_per_layer(workload) * layers
+                   / (HBM_EFFICIENCY * hw.hbm_gbps * 1e9))
     tp = _tp_s(workload, hw) * (1 - overlap.tp)
     ep = _ep_s(workload, hw) * (1 - overlap.ep)
     raw_dp = _dp_s(workload, hw)
     dp = max(raw_dp * (1 - overlap.dp), raw_dp - compute * 2 / 3)
     pp = _pp_s(workload, hw) * (1 - overlap.pp)
-    stage_micro = (compute + tp + ep) / workload.micro_batches
+    stage_micro = (compute + elementwise + tp + ep) / workload.micro_batches
     bubble = (p.pp - 1) / p.vpp * stage_micro
     opt_bytes = gpu_share(workload).shard * ADAM_BYTES_TOUCHED
-    optimizer = opt_bytes / (0.8 * hw.hbm_gbps * 1e9)   # assumption: 80% of HBM bandwidth
-    return IterationBreakdown(compute, tp, ep, dp, pp, bubble, optimizer)
+    optimizer = opt_bytes / (HBM_EFFICIENCY * hw.hbm_gbps * 1e9)
+    return IterationBreakdown(compute, elementwise, tp, ep, dp, pp, bubble, optimizer)
+
+
+def _activation_bytes_per_layer(workload: Workload) -> float:
+    """Activation bytes of one layer and one micro-batch on one GPU (averaged over layers)."""
+    m, p = workload.model, workload.parallel
+    per_layer = ACT_BYTES_PER_SBH * workload.data.micro_batch * m.seq_len * m.d_model / p.tp
+    if m.n_experts:   # gate/up/activation of the experts a token visits, per MoE layer
+        moe = workload.data.micro_batch * m.seq_len / p.tp * m.top_k * 3 * m.expert_hidden * BF16
+        per_layer += moe * m.n_moe_layers / m.n_layers
+    return per_layer
 
 
 def memory_per_gpu(workload: Workload) -> MemoryBreakdown:
@@ -251,11 +270,7 @@ def memory_per_gpu(workload: Workload) -> MemoryBreakdown:
     (1F1B keeps min(pp, micro-batches) micro-batches in flight on the first stage)."""
     m, p = workload.model, workload.parallel
     share = gpu_share(workload)
-    sbh = workload.data.micro_batch * m.seq_len * m.d_model
-    per_layer = ACT_BYTES_PER_SBH * sbh / p.tp
-    if m.n_experts:   # gate/up/activation of the experts a token visits, per MoE layer
-        moe = workload.data.micro_batch * m.seq_len / p.tp * m.top_k * 3 * m.expert_hidden * BF16
-        per_layer += moe * m.n_moe_layers / m.n_layers
+    per_layer = _activation_bytes_per_layer(workload)
     in_flight = min(p.pp, workload.micro_batches)
     activations = per_layer * math.ceil(m.n_layers / p.pp) * in_flight
     return MemoryBreakdown(

@@ -377,16 +377,18 @@ def with_parallelism(workload: Workload, n_gpus: Optional[int] = None,
     given = {k: v for k, v in degrees.items() if v is not None}
     for key, value in given.items():
         int_at_least(f"--{key}", value, 1)
-    new = replace(p, **given)
+    deg = {k: given.get(k, getattr(p, k)) for k in ("dp", "tp", "pp")}
     if n_gpus is not None:
         int_at_least("--gpus", n_gpus, 1)
         if "dp" not in given:
-            per = new.tp * new.pp
+            per = deg["tp"] * deg["pp"]
             require(n_gpus % per == 0, "--gpus", n_gpus,
-                    f"is not a multiple of tp*pp={new.tp}*{new.pp}={per}")
-            new = replace(new, dp=n_gpus // per)
-        require(new.n_gpus == n_gpus, "--gpus", n_gpus,
-                f"differs from dp*tp*pp={new.dp}*{new.tp}*{new.pp}={new.n_gpus}")
+                    f"is not a multiple of tp*pp={deg['tp']}*{deg['pp']}={per}")
+            given["dp"] = deg["dp"] = n_gpus // per
+        product = deg["dp"] * deg["tp"] * deg["pp"]
+        require(product == n_gpus, "--gpus", n_gpus,
+                f"differs from dp*tp*pp={deg['dp']}*{deg['tp']}*{deg['pp']}={product}")
+    new = replace(p, **given)
     batch = workload.data.global_batch * new.dp // p.dp if new.dp != p.dp else \
         workload.data.global_batch
     data = replace(workload.data, global_batch=max(batch, new.dp * workload.data.micro_batch))

@@ -1,0 +1,156 @@
+"""The paper's tables, reproduced by the simulator (analogs), as markdown.
+
+- Table 3 analog: Kimi-MoE recovery breakdown and ETTR at one HOF every 10 minutes.
+- Table 4 analog: tuned checkpoint interval I and MoEvement window W per workload and MTTF.
+- Table 6 analog: predicted vs measured iteration time (``docs/sim/measured.json``).
+- ETTR validation: predicted vs measured ETTR of fault-injection results.
+- Headline: DeepSeek-V4 on 131,072 GPUs, MTTF 10 minutes, across HOF ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from leto_lightning.sim.failures import FailureModel
+from leto_lightning.sim.hardware import get_hardware
+from leto_lightning.sim.report import SimSettings, evaluate, make_context
+from leto_lightning.sim.startup import StartupModel
+from leto_lightning.sim.systems import SystemKnobs
+from leto_lightning.sim.tuning import tune
+from leto_lightning.sim.systems import get_system
+from leto_lightning.sim.validation import ettr_rows, iteration_rows
+from leto_lightning.sim.workload import load_workload
+
+# paper-figures.md, Table 6: measured iteration times (s) of the paper's A100 runs.
+PAPER_ITERATION_S = {"qwen": 3.556, "olmoe": 12.002, "deepseek_moe": 5.927, "gpt_moe": 5.363,
+                     "kimi_moe": 9.097}
+# paper-figures.md, Table 3: (recovery, init, recompute, ETTR) per (system, interval).
+PAPER_TABLE3 = {("gemini", 11): (127, 59, 68, 0.741), ("gemini+", 11): (88, 35, 53, 0.805),
+                ("leto", 11): (19, 15, 5, 0.910), ("leto", 32): (16, 13, 3, 0.942)}
+# paper-figures.md, Table 4: I (Gemini, Gemini+) and W (MoEvement) at MTTF 10 min, 30 min, 1 h.
+PAPER_TABLE4 = {"qwen": ((22, 37, 53), None), "olmoe": ((5, 9, 12), (2, 4, 4)),
+                "deepseek_moe": ((15, 25, 36), (8, 8, 8)), "gpt_moe": ((12, 21, 29), (4, 8, 8)),
+                "kimi_moe": ((11, 19, 27), (4, 8, 8))}
+MTTFS_S = (600.0, 1800.0, 3600.0)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def table3_analog(hardware: str = "a100", iteration_s: Optional[float] = 9.097,
+                  settings: SimSettings = SimSettings(runs=8)) -> str:
+    """Kimi-MoE, 64 GPUs, one HOF every 10 minutes: the paper's rows, then tuned rows."""
+    ctx = make_context(load_workload("kimi_moe"), get_hardware(hardware), iteration_s=iteration_s)
+    failures = FailureModel(600.0, 1.0)
+    rows = []
+    cases = [(s, i) for s, i in PAPER_TABLE3] + [(s, None) for s in
+                                                 ("leto", "gemini+", "gemini", "moevement",
+                                                  "checkpoint")]
+    for system, param in cases:
+        r = evaluate(ctx, system, failures, param, settings)
+        a, mc = r.analytic, r.mc
+        assert a is not None
+        paper = PAPER_TABLE3.get((system, param))
+        knob = f"{'I' if r.knob == 'interval' else 'W'}={r.param}" + (" tuned" if r.tuned else "")
+        rows.append((f"{system} ({knob})", f"{a.recovery_s:.0f}", f"{a.init_s:.0f}",
+                     f"{a.recompute_s:.0f}", _pct(a.ettr), _pct(mc.ettr if mc else None),
+                     "–" if not paper else f"{paper[0]} / {paper[1]} / {paper[2]} s",
+                     "–" if not paper else _pct(paper[3])))
+    return markdown_table(("system", "recovery s", "init s", "recompute s", "ETTR analytic",
+                           "ETTR Monte Carlo", "paper recovery / init / recompute",
+                           "paper ETTR"), rows)
+
+
+def table4_analog(hardware: str = "a100") -> str:
+    """Tuned knobs per workload at MTTF 10 min / 30 min / 1 h (paper's measured iteration
+    times, so that only the cost model differs)."""
+    rows = []
+    for name, (paper_i, paper_w) in PAPER_TABLE4.items():
+        ctx = make_context(load_workload(name), get_hardware(hardware),
+                           iteration_s=PAPER_ITERATION_S[name])
+        row: List[object] = [name, f"{ctx.snapshot_s:.1f}"]
+        for system in ("gemini", "gemini+", "moevement", "leto"):
+            model = get_system(system)
+            if model.supported(ctx):
+                row.append("–")
+                continue
+            row.append(" / ".join(str(tune(model, ctx, m, 1.0).param) for m in MTTFS_S))
+        row.append(" / ".join(map(str, paper_i)))
+        row.append(" / ".join(map(str, paper_w)) if paper_w else "–")
+        rows.append(row)
+    return markdown_table(("workload", "snapshot s", "I Gemini", "I Gemini+", "W MoEvement",
+                           "I Leto (HOF 100%)", "paper I", "paper W"), rows)
+
+
+def iteration_validation_table(path: Optional[str] = None) -> str:
+    """Table 6 analog."""
+    rows = []
+    for r in iteration_rows(path):
+        rows.append((r.recipe, r.size, r.hardware, f"{r.measured_s:.3f}",
+                     r.global_batch if r.global_batch is not None else "unknown",
+                     "–" if r.predicted_s is None else f"{r.predicted_s:.3f}",
+                     "–" if r.error is None else f"{100 * r.error:+.1f}%",
+                     "–" if r.implied_batch is None else r.implied_batch,
+                     "–" if r.reference_predicted_s is None else f"{r.reference_predicted_s:.3f}"))
+    return markdown_table(("workload", "size", "hardware", "measured s", "global batch",
+                           "predicted s", "error", "batch matching the measurement",
+                           "paper's own prediction s"), rows)
+
+
+def ettr_validation_table(path: Optional[str] = None) -> str:
+    """Predicted vs measured ETTR and recovery time."""
+    rows = []
+    for r in ettr_rows(path):
+        rows.append((r.recipe, f"{r.system} (I={r.interval})", _pct(r.measured_ettr),
+                     _pct(r.predicted_ettr), f"{r.error_points:+.1f} pts",
+                     "–" if r.measured_recovery_s is None else f"{r.measured_recovery_s:.0f}",
+                     f"{r.predicted_recovery_s:.1f}"))
+    return markdown_table(("workload", "system", "measured ETTR", "predicted ETTR", "error",
+                           "measured recovery s", "predicted recovery s"), rows)
+
+
+def dsv4_headline(hof_ratios: Sequence[float] = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0),
+                  hardwares: Sequence[str] = ("a100", "h200"),
+                  tier2: bool = False) -> List[Dict[str, object]]:
+    """DeepSeek-V4, 131,072 GPUs, MTTF 10 min: Leto and Gemini+ (tuned), analytic ETTR."""
+    out = []
+    wl = load_workload("deepseek_v4")
+    failures_mttf = 600.0
+    for hw in hardwares:
+        for comm in ("stock", "scalable"):
+            ctx = make_context(wl, get_hardware(hw), startup=StartupModel(comm_init=comm),
+                               knobs=SystemKnobs(leto_tier2=tier2))
+            for h in hof_ratios:
+                fm = FailureModel(failures_mttf, h)
+                leto = evaluate(ctx, "leto", fm, settings=SimSettings(monte_carlo=False))
+                gplus = evaluate(ctx, "gemini+", fm, settings=SimSettings(monte_carlo=False))
+                assert leto.analytic and gplus.analytic
+                out.append({"hardware": hw, "comm_init": comm, "hof_ratio": h,
+                            "leto": leto.analytic.ettr, "gemini+": gplus.analytic.ettr,
+                            "leto_interval": leto.param, "gemini+_interval": gplus.param,
+                            "leto_recovery_s": leto.analytic.recovery_s,
+                            "shadow_wait_s": leto.analytic.shadow_wait_s,
+                            "iteration_s": ctx.iteration_s})
+    return out
+
+
+def dsv4_headline_table(tier2: bool = False) -> str:
+    rows = []
+    for r in dsv4_headline(tier2=tier2):
+        mark = " ✓" if r["leto"] >= 0.95 else ""  # type: ignore[operator]
+        rows.append((r["hardware"], r["comm_init"], f"{100 * r['hof_ratio']:.0f}%",  # type: ignore[operator]
+                     f"{r['iteration_s']:.2f}", _pct(r["leto"]) + mark,  # type: ignore[arg-type]
+                     f"{r['leto_recovery_s']:.0f}", f"{r['shadow_wait_s']:.1f}",
+                     _pct(r["gemini+"]),  # type: ignore[arg-type]
+                     f"{100 * (r['leto'] - r['gemini+']):+.1f}"))  # type: ignore[operator]
+    return markdown_table(("hardware", "comm init", "HOF share", "iteration s", "Leto ETTR",
+                           "Leto s/failure", "shadow wait s", "Gemini+ ETTR",
+                           "Leto − Gemini+ (pts)"), rows)
