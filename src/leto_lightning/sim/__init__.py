@@ -1,1 +1,10 @@
-"""sim"""
+"""Large-scale simulator: iteration time, failures, per-system recovery costs, interval tuning
+and ETTR of Leto and its baselines, up to 131,072 GPUs (``leto simulate``, docs/simulator.md).
+
+It models the runtime and imports nothing from the rest of ``leto_lightning``.
+
+Modules: ``hardware`` (profiles), ``workload`` (recipes, parameter counts), ``iteration``
+(iteration time, memory), ``failures`` (MTTF, HOF share, traces), ``startup`` (start-up and
+recovery terms), ``systems`` (cost models), ``ettr`` (analytic + Monte Carlo), ``tuning``,
+``report`` (one simulation), ``validation``, ``tables``, ``plots``, ``cli``.
+"""

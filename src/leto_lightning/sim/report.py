@@ -172,6 +172,8 @@ def simulate(workload: Workload, hardware: HardwareProfile, failures: FailureMod
 
 
 def _fmt_duration(seconds: float) -> str:
+    if seconds >= 2 * DAY_S:
+        return f"{seconds / DAY_S:.3g} days"
     if seconds >= 3600:
         return f"{seconds / 3600:.3g} h"
     if seconds >= 60:
@@ -210,6 +212,7 @@ TABLE_HEADERS = ("system", "knob", "ckpt s", "init s", "recompute s", "recovery 
 def table_rows(report: SimulationReport) -> List[Tuple[str, ...]]:
     """One row per system, strings, in ``TABLE_HEADERS`` order."""
     rows = []
+    cap = report.context.knobs.max_interval
     for r in report.results:
         if not r.supported:
             rows.append((r.system, "unsupported", "", "", "", "", r.reason, ""))
@@ -217,6 +220,8 @@ def table_rows(report: SimulationReport) -> List[Tuple[str, ...]]:
         assert r.analytic is not None and r.schedule is not None
         a = r.analytic
         knob = f"{'I' if r.knob == 'interval' else 'W'}={r.param}" + (" (tuned)" if r.tuned else "")
+        if r.tuned and r.knob == "interval" and r.param == cap:
+            knob = f"I={r.param} (tuned, cap)"
         mc = f"{r.mc.ettr:.2%} ± {r.mc.stderr:.2%}" if r.mc else "-"
         rows.append((r.system, knob, f"{r.schedule.checkpoint_s:.2f}", f"{a.init_s:.1f}",
                      f"{a.recompute_s:.1f}", f"{a.recovery_s:.1f}", f"{a.ettr:.2%}", mc))

@@ -60,6 +60,8 @@ def table3_analog(hardware: str = "a100", iteration_s: Optional[float] = 9.097,
         assert a is not None
         paper = PAPER_TABLE3.get((system, param))
         knob = f"{'I' if r.knob == 'interval' else 'W'}={r.param}" + (" tuned" if r.tuned else "")
+        if r.tuned and r.param == ctx.knobs.max_interval:
+            knob += ", cap"
         rows.append((f"{system} ({knob})", f"{a.recovery_s:.0f}", f"{a.init_s:.0f}",
                      f"{a.recompute_s:.0f}", _pct(a.ettr), _pct(mc.ettr if mc else None),
                      "–" if not paper else f"{paper[0]} / {paper[1]} / {paper[2]} s",
@@ -82,7 +84,9 @@ def table4_analog(hardware: str = "a100") -> str:
             if model.supported(ctx):
                 row.append("–")
                 continue
-            row.append(" / ".join(str(tune(model, ctx, m, 1.0).param) for m in MTTFS_S))
+            params = [tune(model, ctx, m, 1.0).param for m in MTTFS_S]
+            row.append(" / ".join("cap" if p == ctx.knobs.max_interval else str(p)
+                                  for p in params))
         row.append(" / ".join(map(str, paper_i)))
         row.append(" / ".join(map(str, paper_w)) if paper_w else "–")
         rows.append(row)
