@@ -34,11 +34,14 @@ class HardwareProfile:
     collective_latency_us: float  # fixed cost per collective call
     ckpt_gbps: float            # effective in-memory snapshot bandwidth per GPU (Gemini-style)
     storage_gbps: float         # aggregate persistent-storage bandwidth of the cluster
+    op_overhead_us: float = 0.0  # host cost per framework op (forward or backward) that the
+    #                              device cannot hide; 0 on GPUs (asynchronous launches)
 
     def __post_init__(self) -> None:
         require(bool(self.name), "hardware.name", self.name, "must be a non-empty string")
         for f in fields(self):
-            if f.name in ("name", "gpus_per_node", "gemm_efficiency", "comm_efficiency"):
+            if f.name in ("name", "gpus_per_node", "gemm_efficiency", "comm_efficiency",
+                          "op_overhead_us"):
                 continue
             positive(f"hardware.{f.name}", getattr(self, f.name))
         int_at_least("hardware.gpus_per_node", self.gpus_per_node, 1)
@@ -46,6 +49,8 @@ class HardwareProfile:
         fraction("hardware.comm_efficiency", self.comm_efficiency)
         require(self.gemm_efficiency > 0, "hardware.gemm_efficiency", self.gemm_efficiency,
                 "must be > 0")
+        require(self.op_overhead_us >= 0, "hardware.op_overhead_us", self.op_overhead_us,
+                "must be >= 0")
         require(self.comm_efficiency > 0, "hardware.comm_efficiency", self.comm_efficiency,
                 "must be > 0")
 
@@ -103,15 +108,18 @@ BUILTIN_HARDWARE: Dict[str, HardwareProfile] = {
         net_gbps=50.0, pcie_gbps=64.0, gpus_per_node=8, gemm_efficiency=0.70,
         gemm_half_dim=96.0, comm_efficiency=0.80, collective_latency_us=20.0,
         ckpt_gbps=2 * _A100_CKPT_GBPS, storage_gbps=_STORAGE_GBPS),
-    # This project's CPU machines (2 cores, Xeon with AVX-512, 23 GB RAM): FP32 peak of
-    # 2 cores x 2 FMA units x 16 lanes x 2 FLOP x ~3 GHz ~ 0.2 TFLOP/s. The "devices" are the two
-    # gloo ranks of a tiny recipe; their links are shared memory. Unvalidated until the CPU
-    # measurements land in docs/sim/measured.json (all efficiency numbers are assumptions).
+    # This project's CPU machines (2 cores, Xeon with AVX-512, 23 GB RAM); a "device" is one
+    # rank on one core (the tiny recipes run dp=2 on the 2 cores). Measured on this machine with
+    # torch 2.13, one thread: FP32 matmul 158 GFLOP/s at 1024^3 and 134-146 GFLOP/s with a
+    # 64-wide dimension (-> efficiency 0.95, half-width 8); out-of-place elementwise on 2-8 MB
+    # tensors (activation sizes of the tiny recipes) 15-26 GB/s -> 20; 12.9 us per small
+    # autograd op (forward and backward averaged). Links (gloo over shared memory) are
+    # assumptions.
     "cpu": HardwareProfile(
-        name="cpu", peak_tflops=0.2, hbm_gb=23.0, hbm_gbps=10.0, nvlink_gbps=2.0,
-        net_gbps=1.0, pcie_gbps=10.0, gpus_per_node=2, gemm_efficiency=0.40,
-        gemm_half_dim=128.0, comm_efficiency=0.5, collective_latency_us=100.0,
-        ckpt_gbps=2.0, storage_gbps=0.5),
+        name="cpu", peak_tflops=0.158, hbm_gb=11.5, hbm_gbps=20.0, nvlink_gbps=2.0,
+        net_gbps=1.0, pcie_gbps=10.0, gpus_per_node=2, gemm_efficiency=0.95,
+        gemm_half_dim=8.0, comm_efficiency=0.5, collective_latency_us=100.0,
+        ckpt_gbps=2.0, storage_gbps=0.5, op_overhead_us=12.9),
 }
 
 

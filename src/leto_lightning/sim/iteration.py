@@ -21,6 +21,10 @@ The model (all per GPU, per iteration):
   bound: the activation bytes of a layer (the memory model below) are moved 3 times (written in
   the forward pass, read and rewritten in the backward pass) at 80% of HBM bandwidth.
 - **optimizer**: AdamW step is memory bound: 30 B touched per optimizer-shard parameter.
+- **op overhead**: host cost per framework op that the device cannot hide (the ``cpu``
+  profile's measured dispatch cost; 0 on GPUs): forward ops per layer and micro-batch
+  (estimated for this project's pure-torch model, which loops over local experts) x 2 for
+  the backward pass, plus a fixed count per iteration (embedding, loss, clipping, optimizer).
 - **overlap**: each communication is hidden behind compute by a fraction (``OverlapConfig``);
   DP can never hide more than the backward pass.
 """
@@ -46,6 +50,13 @@ ACT_BYTES_PER_SBH = 34
 RUNTIME_RESERVED_GB = 3.0   # assumption: CUDA context, NCCL buffers, allocator slack
 ELEMENTWISE_PASSES = 3      # assumption: activation bytes written (fwd), read + rewritten (bwd)
 HBM_EFFICIENCY = 0.8        # assumption: memory-bound kernels reach 80% of HBM bandwidth
+# Forward framework ops (estimates for leto_lightning.models.moe_transformer): a layer's two
+# RMSNorms, attention with rotary embedding, residuals and a SwiGLU FFN; a router (softmax,
+# top-k, load-balancing loss); per local expert: select tokens, SwiGLU, scale, scatter back.
+OPS_PER_LAYER = 52
+OPS_PER_ROUTER = 15
+OPS_PER_EXPERT = 10
+OPS_PER_ITERATION = 40
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class IterationBreakdown:
 
     compute_s: float
     elementwise_s: float
+    op_overhead_s: float
     tp_s: float
     ep_s: float
     dp_s: float
@@ -82,7 +94,7 @@ class IterationBreakdown:
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.elementwise_s + self.tp_s + self.ep_s + self.dp_s + self.pp_s
+        return (self.compute_s + self.elementwise_s + self.op_overhead_s + self.tp_s + self.ep_s + self.dp_s + self.pp_s
                 + self.bubble_s + self.optimizer_s)
 
     def as_dict(self) -> Dict[str, float]:
@@ -243,16 +255,30 @@ def iteration_time(workload: Workload, hw: HardwareProfile,
     layers = workload.model.n_layers / p.pp * workload.micro_batches
     elementwise = (ELEMENTWISE_PASSES * _activation_bytes_per_layer(workload) * layers
                    / (HBM_EFFICIENCY * hw.hbm_gbps * 1e9))
+    ops = _op_overhead_s(workload, hw)
     tp = _tp_s(workload, hw) * (1 - overlap.tp)
     ep = _ep_s(workload, hw) * (1 - overlap.ep)
     raw_dp = _dp_s(workload, hw)
     dp = max(raw_dp * (1 - overlap.dp), raw_dp - compute * 2 / 3)
     pp = _pp_s(workload, hw) * (1 - overlap.pp)
-    stage_micro = (compute + elementwise + tp + ep) / workload.micro_batches
+    stage_micro = (compute + elementwise + ops + tp + ep) / workload.micro_batches
     bubble = (p.pp - 1) / p.vpp * stage_micro
     opt_bytes = gpu_share(workload).shard * ADAM_BYTES_TOUCHED
     optimizer = opt_bytes / (HBM_EFFICIENCY * hw.hbm_gbps * 1e9)
-    return IterationBreakdown(compute, elementwise, tp, ep, dp, pp, bubble, optimizer)
+    return IterationBreakdown(compute, elementwise, ops, tp, ep, dp, pp, bubble, optimizer)
+
+
+def _op_overhead_s(workload: Workload, hw: HardwareProfile) -> float:
+    """Host time of the framework ops of one iteration (forward + backward)."""
+    if hw.op_overhead_us <= 0:
+        return 0.0
+    m, p = workload.model, workload.parallel
+    per_micro = OPS_PER_LAYER * m.n_layers
+    if m.n_experts:
+        local = m.n_experts / p.ep + m.shared_experts
+        per_micro += m.n_moe_layers * (OPS_PER_ROUTER + OPS_PER_EXPERT * local)
+    ops = 2 * per_micro / p.pp * workload.micro_batches + OPS_PER_ITERATION
+    return ops * hw.op_overhead_us * 1e-6
 
 
 def _activation_bytes_per_layer(workload: Workload) -> float:

@@ -12,7 +12,12 @@ Measurements live in ``docs/sim/measured.json``::
 An iteration entry may override ``global_batch``, ``micro_batch``, ``seq_len``, ``dp``, ``tp``,
 ``pp``, ``ep`` and ``hw`` (hardware field overrides); ``global_batch: null`` means the batch of
 the measurement is unknown: no error is computed, and the batch at which the model reproduces the
-measurement is reported instead.
+measurement is reported instead. ``include_comm: false`` compares against the model without its
+communication terms (a single-rank measurement).
+
+``docs/sim/measured_tiny.json`` (``{recipe: seconds}``, written by
+``benchmarks/tiny_step_time.py``: one rank of each tiny recipe, one thread, plain torch, no
+communication, on this project's CPU machine) is read as well when it sits beside the file.
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ from leto_lightning.sim.systems import get_system
 from leto_lightning.sim.workload import Workload, load_workload, with_parallelism
 
 MEASURED_PATH = Path(__file__).resolve().parents[3] / "docs" / "sim" / "measured.json"
+TINY_NAME = "measured_tiny.json"
+TINY_SOURCE = ("benchmarks/tiny_step_time.py on this project's CPU machine (one rank, one "
+               "thread, plain torch, no communication)")
+
+
+def _tiny_entries(file: Path) -> List[Dict[str, object]]:
+    tiny = file.with_name(TINY_NAME)
+    if not tiny.is_file():
+        return []
+    try:
+        data = json.loads(tiny.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"measured file={str(tiny)!r} is not valid JSON: {exc}") from exc
+    require(isinstance(data, dict), "measured file", str(tiny), "must map recipe -> seconds")
+    return [{"recipe": name, "size": "tiny", "hardware": "cpu", "measured_s": seconds,
+             "include_comm": False, "source": TINY_SOURCE} for name, seconds in sorted(data.items())]
 
 
 def load_measured(path: Optional[Path | str] = None) -> Dict[str, list]:
@@ -42,7 +63,7 @@ def load_measured(path: Optional[Path | str] = None) -> Dict[str, list]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"measured file={str(file)!r} is not valid JSON: {exc}") from exc
     require(isinstance(data, dict), "measured file", str(file), "must hold a JSON object")
-    return {"iteration_time": list(data.get("iteration_time", [])),
+    return {"iteration_time": list(data.get("iteration_time", [])) + _tiny_entries(file),
             "ettr": list(data.get("ettr", []))}
 
 
@@ -106,11 +127,16 @@ def iteration_rows(path: Optional[Path | str] = None) -> List[IterationRow]:
     rows = []
     for entry in load_measured(path)["iteration_time"]:
         measured = float(entry["measured_s"])
-        known = entry.get("global_batch") is not None
+        known = "global_batch" not in entry or entry["global_batch"] is not None
         predicted = error = implied = None
         if known:
-            predicted = iteration_time(entry_workload(entry), entry_hardware(entry)).total_s
+            wl = entry_workload(entry)
+            b = iteration_time(wl, entry_hardware(entry))
+            predicted = b.total_s
+            if entry.get("include_comm") is False:
+                predicted -= b.tp_s + b.ep_s + b.dp_s + b.pp_s
             error = predicted / measured - 1.0
+            entry = {**entry, "global_batch": wl.data.global_batch}
         else:
             implied = implied_global_batch(entry, measured)
         rows.append(IterationRow(
