@@ -21,7 +21,8 @@ from typing import Dict, List, Optional
 from leto_lightning.sim.checks import fail, int_at_least, require
 from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel, load_trace, parse_duration
 from leto_lightning.sim.hardware import BUILTIN_HARDWARE, get_hardware, parse_overrides
-from leto_lightning.sim.report import DAY_S, SimSettings, format_report, simulate
+from leto_lightning.sim.report import (DAY_S, SimSettings, SimulationReport, format_report,
+                                       simulate)
 from leto_lightning.sim.startup import COMM_INIT_MODES, StartupModel
 from leto_lightning.sim.systems import SYSTEM_NAMES, SystemKnobs, get_system
 from leto_lightning.sim.workload import BUILTIN_WORKLOADS, load_workload, with_parallelism
@@ -66,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                      help="per-GPU MTTF; the job MTTF is it divided by the GPU count")
     src.add_argument("--trace", metavar="CSV", help="failure trace (time,kind per line)")
     f.add_argument("--hof-ratio", type=float, default=1.0,
-                   help="share of failures that are hardware-operable (default: 1.0)")
+                   help="share of failures that are hardware-operable (default: 1.0; with "
+                        "--trace the trace's kinds decide)")
     _add_model_args(p)
     return p
 
@@ -93,8 +95,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-monte-carlo", action="store_true", help="analytic expectation only")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.add_argument("--validate", nargs="?", const="", metavar="MEASURED_JSON",
-                   help="print predicted vs measured iteration time and ETTR "
-                        "(default file: docs/sim/measured.json) and exit")
+                   help="print predicted vs measured iteration time and ETTR (default file: "
+                        "docs/sim/measured.json, plus measured_tiny.json beside it) and exit")
     p.set_defaults(func=run)
 
 
@@ -127,7 +129,7 @@ def _intervals(items: List[str]) -> Dict[str, int]:
     return out
 
 
-def _report(args: argparse.Namespace):  # -> SimulationReport
+def _report(args: argparse.Namespace) -> SimulationReport:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         workload = load_workload(args.recipe, args.size)

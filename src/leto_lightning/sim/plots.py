@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import matplotlib
 
@@ -26,7 +26,7 @@ from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel  # noqa:
 from leto_lightning.sim.hardware import get_hardware  # noqa: E402
 from leto_lightning.sim.report import SimSettings, evaluate, make_context  # noqa: E402
 from leto_lightning.sim.startup import StartupModel  # noqa: E402
-from leto_lightning.sim.systems import SYSTEM_NAMES, get_system  # noqa: E402
+from leto_lightning.sim.systems import SYSTEM_NAMES, SystemContext, get_system  # noqa: E402
 from leto_lightning.sim import tables  # noqa: E402
 from leto_lightning.sim.workload import load_workload, with_parallelism  # noqa: E402
 
@@ -35,7 +35,7 @@ COLORS = {"leto": "tab:red", "gemini+": "tab:blue", "gemini": "tab:cyan",
 ANALYTIC = SimSettings(monte_carlo=False)
 
 
-def _tuned_ettr(ctx, system: str, mttf_s: float, hof: float) -> float:  # type: ignore[no-untyped-def]
+def _tuned_ettr(ctx: SystemContext, system: str, mttf_s: float, hof: float) -> float:
     r = evaluate(ctx, system, FailureModel(mttf_s, hof), settings=ANALYTIC)
     return r.analytic.ettr if r.analytic else float("nan")
 
@@ -90,7 +90,8 @@ def fig10_hof(out: Path, hardware: str = "a100") -> Dict[str, object]:
 SCALES = tuple(2 ** k for k in range(10, 18))   # 1,024 ... 131,072 GPUs
 
 
-def _scale_series(name: str, comm: str, mttf_of, hardware: str) -> Dict[str, List[float]]:  # type: ignore[no-untyped-def]
+def _scale_series(name: str, comm: str, mttf_of: Callable[[int], float],
+                  hardware: str) -> Dict[str, List[float]]:
     series: Dict[str, List[float]] = {"leto": [], "gemini+": []}
     for n in SCALES:
         wl = with_parallelism(load_workload(name), n_gpus=n)
@@ -151,7 +152,7 @@ def fig15_dsv4_hof(out: Path, hardware: str = "a100") -> Dict[str, object]:
     return data
 
 
-def _save(fig, path: Path) -> None:  # type: ignore[no-untyped-def]
+def _save(fig: plt.Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from leto_lightning.sim.ettr import analytic_ettr
 from leto_lightning.sim.systems import SystemContext, SystemModel
 
 _PHI = (math.sqrt(5.0) - 1.0) / 2.0
+Curve = Callable[[np.ndarray], np.ndarray]   # knob values -> analytic ETTR
 
 
 def young_interval(checkpoint_s: float, mttf_s: float, iteration_s: float) -> float:
@@ -57,7 +58,7 @@ class TuneResult:
 
 
 def _interval_ettr(model: SystemModel, ctx: SystemContext, mttf_s: float,
-                   hof_ratio: float) -> callable:  # type: ignore[valid-type]
+                   hof_ratio: float) -> Curve:
     base = model.schedule(ctx, 1)
     return lambda ints: analytic_ettr(base, mttf_s, hof_ratio, np.asarray(ints))
 
@@ -81,7 +82,7 @@ def brute_force(model: SystemModel, ctx: SystemContext, mttf_s: float, hof_ratio
     return int(params[best]), float(values[best])
 
 
-def _golden(f: callable, lo: int, hi: int) -> Tuple[int, float, int]:  # type: ignore[valid-type]
+def _golden(f: Curve, lo: int, hi: int) -> Tuple[int, float, int]:
     """Integer golden-section search for the max of a unimodal ``f`` on [lo, hi]."""
     calls = 0
     cache: Dict[int, float] = {}
