@@ -18,6 +18,13 @@ CASES = {
     "adam_maximize": (torch.optim.Adam, dict(lr=1e-3, maximize=True)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)),
     "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    # whole-state transactions (no chunk-wise math): torch's own step on retained views
+    "rmsprop_centered": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2, initial_accumulator_value=0.1)),
+    "nadam": (torch.optim.NAdam, dict(lr=1e-3)),
+    "adamax": (torch.optim.Adamax, dict(lr=1e-3)),
+    "asgd": (torch.optim.ASGD, dict(lr=1e-3)),
+    "rprop": (torch.optim.Rprop, dict(lr=1e-3)),
 }
 
 
@@ -94,7 +101,13 @@ def test_params_are_views_into_retained_memory():
         ro.store.unlink()
 
 
-def test_unsupported_optimizer_is_refused_with_a_pointer():
-    model = Net()
-    with pytest.raises(UnsupportedOptimizerError, match="whole-state"):
-        RetainedOptimizer.create(torch.optim.RMSprop(model.parameters()), RetainedConfig(page_bytes=512))
+def test_optimizer_with_unretainable_state_is_refused_by_name():
+    class Odd(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["history"] = [1, 2, 3]  # not a tensor: cannot be retained
+            return super().step(closure)
+
+    with pytest.raises(UnsupportedOptimizerError, match="'history'"):
+        RetainedOptimizer.create(Odd(Net().parameters(), lr=0.1), RetainedConfig(page_bytes=512))

@@ -24,6 +24,9 @@ OPTIMIZERS = {
     "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.01)),
     "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "sgd_dampening": (torch.optim.SGD, dict(lr=0.05, momentum=0.8, dampening=0.1, maximize=True)),
+    # no chunk-wise math: one whole-state transaction per step (updater.whole_state)
+    "rmsprop_whole": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True)),
+    "nadam_whole": (torch.optim.NAdam, dict(lr=1e-3, weight_decay=0.01)),
 }
 
 

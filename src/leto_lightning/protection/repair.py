@@ -11,7 +11,7 @@ wrong parity page can never slip a wrong page through. What is left raises
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
@@ -60,13 +60,17 @@ def repair(
     stores: Mapping[int, RetainedStore],
     tier1: ReedSolomonCode | None,
     tier2: ReedSolomonCode | None,
-    include_grads: bool,
+    include_grads: Collection[int] | bool,
 ) -> RepairReport:
-    """Verify every page of the node's ranks (keyed by local rank) and rebuild the damaged."""
+    """Verify every page of the node's ranks (keyed by local rank) and rebuild the damaged.
+
+    ``include_grads``: the local ranks whose gradients must be intact (those that will roll
+    forward with them); ``True`` means all.
+    """
     report = RepairReport()
     lost: dict[int, set[int]] = {}
     for r, store in stores.items():
-        bad = find_damage(store, include_grads)
+        bad = find_damage(store, include_grads is True or (include_grads is not False and r in include_grads))
         lost[r] = set(bad)
         if bad:
             report.damaged[r] = bad

@@ -33,6 +33,8 @@ GRAD = "grad"
 _STATE_KINDS = {
     "sgd": lambda g: ("momentum_buffer",) if g.get("momentum", 0) != 0 else (),
     "adam": lambda g: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()),
+    # any other optimizer: the per-element state keys found by probing it (updater.whole_state)
+    "generic": lambda g: tuple(g.get("_leto_state_kinds", ())),
 }
 
 
@@ -101,6 +103,12 @@ class StoreLayout:
     params: tuple[ParamSlot, ...]
     regions: tuple[Region, ...]
     group_hparams: tuple[dict, ...] = field(default=(), compare=False)
+    scalar_kinds: tuple[str, ...] = ()  # per-param 0-dim state besides "step" (generic family)
+
+    @cached_property
+    def update_pages(self) -> tuple[int, ...]:
+        """Every page a whole-state transaction rewrites (all but the gradients), in order."""
+        return tuple(p for p in range(self.n_pages) if self.page_kind[p] != GRAD)
 
     @property
     def n_pages(self) -> int:
@@ -225,6 +233,7 @@ def build_layout(
     group_options: Sequence[dict] | None = None,
     page_bytes: int,
     chunk_pages: int = 1,
+    scalar_kinds: Sequence[str] = (),
 ) -> StoreLayout:
     """Lay out the params of each param group (``(name, shape, dtype)`` triples).
 
@@ -266,7 +275,7 @@ def build_layout(
         param_index += len(members)
     params.sort(key=lambda p: p.index)
     return StoreLayout(page_bytes, chunk_pages, family, tuple(segments), tuple(params), tuple(regions),
-                       tuple(dict(o) for o in group_options))
+                       tuple(dict(o) for o in group_options), tuple(scalar_kinds))
 
 
 def _by_dtype(members: Iterable[tuple[str, Sequence[int], torch.dtype]]):

@@ -40,6 +40,8 @@ PHASE_NAMES = ("idle", "undo_saved", "math_done", "tier1_done", "tier2_done", "c
 # Undo header (int64 words): chunk, version, n_pages, n_pieces, then one crc per page, then
 # the pieces' old step counters (float64 bits).
 UNDO_CHUNK, UNDO_VERSION, UNDO_NPAGES, UNDO_NPIECES, UNDO_CRCS = range(5)
+UNDO_WHOLE = -1  # UNDO_CHUNK value of a whole-state transaction (generic optimizers)
+FLAG_GENERIC_STATE_BOUND = 0  # flags word: the generic optimizer's lazily created state lives in the store
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,29 @@ class StoreSpec:
             "steps": lay.n_pieces,
             "crcs": lay.n_pages,
             "undo": UNDO_CRCS + lay.max_chunk_update_pages + lay.max_chunk_pieces,
+            "scalars": len(lay.params) * len(lay.scalar_kinds),
+            "flags": 8,
         }
+
+    @property
+    def whole_state(self) -> bool:
+        """Generic optimizers update everything in one transaction: the undo buffer holds it all."""
+        return self.layout.family == "generic"
+
+    def undo_bytes(self) -> int:
+        lay = self.layout
+        if not self.whole_state:
+            return max(1, lay.max_chunk_update_pages) * lay.page_bytes
+        # backups of crcs, steps, scalars and flags
+        backups = len(lay.update_pages) + lay.n_pieces + self.meta_words["scalars"] + self.meta_words["flags"]
+        return len(lay.update_pages) * lay.page_bytes + 8 * backups
 
     def sizes(self) -> dict[str, int]:
         lay, cfg = self.layout, self.config
         meta = 8 * sum(self.meta_words.values()) + 2 * cfg.record_bytes
         return {
             "data": lay.data_bytes,
-            "undo": max(1, lay.max_chunk_update_pages) * lay.page_bytes,
+            "undo": self.undo_bytes(),
             "parity1": max(1, self.tier1.n_groups * cfg.tier1_parity) * lay.page_bytes,
             "meta": meta,
         }
@@ -194,6 +211,9 @@ class RetainedStore:
         self.steps = views["steps"].view(torch.float32)[: lay.n_pieces]
         self.crcs = views["crcs"]
         self.undo_header = views["undo"]
+        n_scalars = len(lay.params) * len(lay.scalar_kinds)
+        self.scalars = views["scalars"].view(torch.float32)[:n_scalars].view(len(lay.params), len(lay.scalar_kinds))
+        self.flags = views["flags"]
         self.record = ProgressRecord(meta[8 * offset : 8 * offset + 2 * cfg.record_bytes],
                                      on_half_written=lambda: point("record.half_written"))
 

@@ -30,8 +30,10 @@ from ..retained.store import (
     UNDO_NPAGES,
     UNDO_NPIECES,
     UNDO_VERSION,
+    UNDO_WHOLE,
     RetainedStore,
 )
+from .whole_state import restore_whole
 from ..protection.errors import ProtectionError
 from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
 
@@ -49,6 +51,7 @@ class RecoveryReport:
     rolled_forward: list[int] = field(default_factory=list)
     aborted: bool = False
     committed_iteration: int = -1  # the job resumes at committed_iteration + 1
+    pending_step: bool = False  # generic optimizer: the trainer finishes the prepared step on bind
     payload: object = None
     repair: RepairReport | None = None
     reencoded_tier1: list[int] = field(default_factory=list)
@@ -71,6 +74,13 @@ class RecoveryReport:
 def restore_in_flight(store: RetainedStore) -> tuple[list[tuple[int, str]], list[int]]:
     """Put every in-flight chunk back to its pre-transaction contents; returns them and their pages."""
     restored, touched = [], []
+    if store.in_flight() and int(store.undo_header[UNDO_CHUNK]) == UNDO_WHOLE:
+        pages = restore_whole(store)
+        bad = [p for p in pages if not page_ok(store, p)]
+        if bad:
+            raise RecoveryError(f"rank {store.spec.rank}: the undo copy of the whole-state transaction is damaged "
+                                f"(pages {bad[:10]}); resume from the last checkpoint")
+        return [(-1, "whole-state")], pages
     for chunk in store.in_flight():
         phase = PHASE_NAMES[int(store.chunk_table[chunk, 1])]
         head = store.undo_header
@@ -142,7 +152,8 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     for r, rec in records.items():
         reports[r].status_found = rec and rec["status"]
         reports[r].iteration_found = rec and rec["iteration"]
-    include_grads = any(rec and rec["status"] == PREPARED for rec in records.values())
+    # Gradients matter only where a prepared step will be rolled forward with them.
+    include_grads = {r for r, rec in records.items() if rec and rec["status"] == PREPARED}
     rep = repair(stores, codes.tier1, codes.tier2, include_grads)
     t2 = time.perf_counter()
     groups1, stripes = reencode(stores, codes, touched)
@@ -166,6 +177,13 @@ def decide_and_roll_forward(stores, records, reports, codes: ParityCodes) -> Non
         rec, report = records[r], reports[r]
         if rec is None:
             _check_versions(store, 0)
+            continue
+        if (rec["status"] == PREPARED and everyone_reached and store.layout.family == "generic"
+                and not bool((store.versions() == rec["iteration"] + 1).all())):
+            report.pending_step = True  # needs the optimizer object: RetainedOptimizer.bind(adopt=True)
+            _check_versions(store, rec["iteration"])
+            report.committed_iteration = rec["iteration"]  # the step is re-run bit-identically on bind
+            report.payload = rec["payload"]
             continue
         if rec["status"] == PREPARED and everyone_reached:
             report.rolled_forward = roll_forward(store, rec, codes)

@@ -6,7 +6,7 @@ optimizer's state tensors are *views* into the store (zero copies per step), and
 
 Supported chunk-wise: ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay,
 maximize) and ``torch.optim.Adam`` / ``AdamW`` (amsgrad, maximize). Other optimizers are
-refused here; ``updater.whole_state`` protects them with one whole-state transaction.
+protected by one whole-state transaction per step (``updater.whole_state``).
 """
 
 from __future__ import annotations
@@ -19,24 +19,19 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
 from ..retained.store import RetainedStore, StoreSpec
 from ..retained.shm import new_job_id
-from .transaction import COMMITTED, ChunkTransactions, ParityCodes
+from ..retained.store import FLAG_GENERIC_STATE_BOUND
+from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
+from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
+
+__all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "layout_for", "optimizer_family"]
 
 _FAMILIES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 _UNSUPPORTED_OPTIONS = ("fused", "capturable", "differentiable")
 
 
-class UnsupportedOptimizerError(TypeError):
-    pass
-
-
 def optimizer_family(optimizer: torch.optim.Optimizer) -> str:
-    """'sgd' or 'adam' for the optimizers the chunked path covers exactly."""
-    family = _FAMILIES.get(type(optimizer))
-    if family is None:
-        raise UnsupportedOptimizerError(
-            f"{type(optimizer).__name__} has no chunk-wise update; use the whole-state transaction "
-            "(leto_lightning.updater.whole_state) or one of SGD, Adam, AdamW"
-        )
+    """'sgd' or 'adam' for the optimizers the chunked path covers exactly, else 'generic'."""
+    family = _FAMILIES.get(type(optimizer), "generic")
     for group in optimizer.param_groups:
         for opt in _UNSUPPORTED_OPTIONS:
             if group.get(opt):
@@ -59,8 +54,16 @@ def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: 
     names = names or {}
     groups = [[(names.get(p, f"param{j}.{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(g["params"])]
               for j, g in enumerate(optimizer.param_groups)]
-    return build_layout(groups, family=family, group_options=hyperparameters(optimizer),
-                        page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
+    options = hyperparameters(optimizer)
+    scalars: tuple[str, ...] = ()
+    if family == "generic":
+        kinds, scalars = probe_state(optimizer)
+        has_step = "" not in scalars
+        scalars = tuple(k for k in scalars if k)
+        for opt in options:
+            opt.update(_leto_state_kinds=kinds, _leto_has_step=has_step)
+    return build_layout(groups, family=family, group_options=options, page_bytes=config.page_bytes,
+                        chunk_pages=config.chunk_pages, scalar_kinds=scalars)
 
 
 class RetainedOptimizer:
@@ -81,7 +84,10 @@ class RetainedOptimizer:
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         if len(self.params) != len(self.layout.params):
             raise ValueError(f"optimizer has {len(self.params)} params, the store's layout {len(self.layout.params)}")
-        self.txn = ChunkTransactions(store, ParityCodes(store))
+        if self.layout.family == "generic":
+            self.txn: ChunkTransactions = WholeStateTransactions(store, optimizer, self.params, ParityCodes(store))
+        else:
+            self.txn = ChunkTransactions(store, ParityCodes(store))
         self._received: set[int] = set()
         self.iteration = 0
 
@@ -114,24 +120,49 @@ class RetainedOptimizer:
             p.data = view
             p.grad = store.param_view(slot, GRAD)
             p.register_post_accumulate_grad_hook(self._mark_received(slot.index))
-            state = {k: store.param_view(slot, k) for k in lay.segments[slot.segment].kinds if k not in (PARAM, GRAD)}
-            if lay.family == "adam":
-                state["step"] = store.steps[lay.param_first_piece[slot.index]]
-            self.optimizer.state[p] = state
+            if lay.family != "generic":
+                state = {k: store.param_view(slot, k) for k in lay.segments[slot.segment].kinds if k not in (PARAM, GRAD)}
+                if lay.family == "adam":
+                    state["step"] = store.steps[lay.param_first_piece[slot.index]]
+                self.optimizer.state[p] = state
+        if lay.family == "generic":
+            self._bind_generic(adopt)
         if not adopt:
-            self._load_existing_state()
             encode_all(store, self.txn.codes)
         else:
-            rec = store.record.read()
-            self.iteration = 0 if rec is None else rec.payload["iteration"] + (rec.payload["status"] == COMMITTED)
+            self._finish_pending_step()
+
+    def _bind_generic(self, adopt: bool) -> None:
+        """Generic optimizers: bind state that exists (created in ``__init__`` like Adagrad's, or
+        retained by an earlier step); state torch creates lazily is adopted after the first step."""
+        store = self.store
+        if adopt and int(store.flags[FLAG_GENERIC_STATE_BOUND]):
+            bind_generic_state(store, self.optimizer, self.params, copy_in=False)
+        elif not adopt and all(self.optimizer.state.get(p) for p in self.params):
+            bind_generic_state(store, self.optimizer, self.params, copy_in=True)
+            store.flags[FLAG_GENERIC_STATE_BOUND] = 1
+
+    def _finish_pending_step(self) -> None:
+        """A shadow adopting the store: finish a prepared whole-state step recovery left pending
+        (it needs the optimizer object), then continue after the last committed iteration."""
+        rec = self.store.record.read()
+        if rec is None:
+            self.iteration = 0
+            return
+        payload = rec.payload
+        if payload["status"] == PREPARED and self.layout.family == "generic":
+            self.txn.update_chunks(payload["iteration"], payload["hparams"], payload["skip_params"])
+            self.txn.commit(payload["iteration"], payload["payload"])
+            payload = dict(payload, status=COMMITTED)
+        if payload["status"] == PREPARED:
+            raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
+                               "committed; run updater.recovery.recover_node before binding a shadow")
+        self.iteration = payload["iteration"] + 1
 
     def _mark_received(self, index: int):
         def hook(_param: torch.Tensor) -> None:
             self._received.add(index)
         return hook
-
-    def _load_existing_state(self) -> None:
-        """Nothing to copy for a fresh optimizer; state loaded before binding is not supported yet."""
 
     # -- the training-loop API -----------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

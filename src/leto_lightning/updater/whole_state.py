@@ -1,0 +1,193 @@
+"""One whole-state transaction per step, for optimizers without a chunk-wise update.
+
+Any ``torch.optim`` optimizer whose state is per-parameter tensors (shaped like the parameter,
+or 0-dim) keeps that state in retained memory and stays protected: its own ``step()`` runs
+between a full undo copy and the parity deltas. The price is the memory of a second copy of
+params + state (the undo buffer) and one full copy per step -- which is why SGD, Adam and AdamW
+take the chunked path instead.
+
+Lazily created state (torch creates it at the first ``step()``) is adopted right after that
+step, inside the first transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..faults.points import point
+from ..retained.layout import GRAD, PARAM
+from ..retained.store import (
+    CHECKSUMMED,
+    FLAG_GENERIC_STATE_BOUND,
+    IDLE,
+    MATH_DONE,
+    TIER1_DONE,
+    TIER2_DONE,
+    UNDO_CHUNK,
+    UNDO_NPAGES,
+    UNDO_NPIECES,
+    UNDO_SAVED,
+    UNDO_VERSION,
+    UNDO_WHOLE,
+    RetainedStore,
+)
+from .transaction import ChunkTransactions, ParityCodes, to_i64
+from ..protection.checksum import checksum
+
+
+class UnsupportedOptimizerError(TypeError):
+    pass
+
+
+def probe_state(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(per-element state keys, 0-dim state keys besides 'step') of ``optimizer``'s class.
+
+    Found by running the class once on a throwaway parameter: the real optimizer is untouched.
+    """
+    probe = torch.nn.Parameter(torch.zeros(3))
+    probe.grad = torch.full((3,), 0.5)
+    opt = type(optimizer)([probe], **optimizer.defaults)
+    opt.step()
+    elementwise, scalars = [], []
+    for key, value in opt.state[probe].items():
+        if isinstance(value, torch.Tensor) and value.shape == probe.shape:
+            elementwise.append(key)
+        elif isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float32:
+            if key != "step":
+                scalars.append(key)
+        else:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}: state {key!r} ({type(value).__name__}) cannot live in retained "
+                "memory; only per-parameter tensors and float32 scalars can"
+            )
+    if "step" not in opt.state[probe]:
+        scalars.append("")  # marker stripped by layout_for: this optimizer keeps no step counter
+    return tuple(sorted(elementwise)), tuple(sorted(scalars))
+
+
+class WholeStateTransactions(ChunkTransactions):
+    """Prepare, then undo-copy everything, ``optimizer.step()``, parity deltas, commit."""
+
+    def __init__(self, store: RetainedStore, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
+                 codes: ParityCodes | None = None) -> None:
+        super().__init__(store, codes)
+        self.optimizer = optimizer
+        self.params = list(params)
+
+    def update_chunks(self, iteration: int, hparams, skip_params=(), chunks=None) -> None:
+        store, lay = self.store, self.layout
+        versions = store.versions()
+        if bool((versions == iteration + 1).all()):
+            return
+        if not bool((versions == iteration).all()):
+            raise RuntimeError(f"whole-state update of iteration {iteration}: chunks at mixed versions")
+        for group, hp in zip(self.optimizer.param_groups, hparams):  # the settings recorded at prepare
+            group.update({k: v for k, v in hp.items() if not k.startswith("_leto")})
+        pages = list(lay.update_pages)
+        self._save_whole_undo(iteration, pages)
+        store.chunk_table[:, 1] = UNDO_SAVED
+        point("whole.undo_saved", iteration=iteration)
+        self._optimizer_step(skip_params)
+        point("whole.math_done", iteration=iteration)
+        store.chunk_table[:, 1] = MATH_DONE
+        self._tier1_delta(pages)
+        store.chunk_table[:, 1] = TIER1_DONE
+        self._tier2_delta(lay.n_chunks, pages)
+        store.chunk_table[:, 1] = TIER2_DONE
+        for p in pages:
+            store.crcs[p] = to_i64(checksum(store.pages[p]))
+        store.chunk_table[:, 1] = CHECKSUMMED
+        point("whole.checksummed", iteration=iteration)
+        store.chunk_table[:, 0] = iteration + 1
+        store.chunk_table[:, 1] = IDLE
+        point("whole.committed", iteration=iteration)
+
+    def _optimizer_step(self, skip_params) -> None:
+        """torch's own step on the retained views; params without a gradient see ``grad=None``."""
+        skip = set(skip_params)
+        saved = {}
+        for i in skip:
+            saved[i], self.params[i].grad = self.params[i].grad, None
+        try:
+            self.optimizer.step()
+        finally:
+            for i, g in saved.items():
+                self.params[i].grad = g
+        # Adopt state torch created lazily at this first step, and any state tensor the optimizer
+        # replaced instead of updating in place: retained memory must hold the live values.
+        bind_generic_state(self.store, self.optimizer, self.params, copy_in=True)
+        self.store.flags[FLAG_GENERIC_STATE_BOUND] = 1
+
+    def _save_whole_undo(self, iteration: int, pages: list[int]) -> None:
+        store, lay = self.store, self.layout
+        undo = store.undo_view(len(pages))
+        i = 0
+        for r in lay.regions:
+            if r.kind != GRAD:
+                undo[i : i + r.n_pages].copy_(store.pages[r.first_page : r.first_page + r.n_pages])
+                i += r.n_pages
+        tail = whole_undo_tail(store)
+        tail["crcs"].copy_(store.crcs[pages])
+        tail["steps"].copy_(store.steps)
+        tail["scalars"].copy_(store.scalars.flatten())
+        tail["flags"].copy_(store.flags)
+        head = store.undo_header
+        head[UNDO_NPAGES] = len(pages)
+        head[UNDO_NPIECES] = lay.n_pieces
+        head[UNDO_VERSION] = iteration
+        head[UNDO_CHUNK] = UNDO_WHOLE
+
+
+def whole_undo_tail(store: RetainedStore) -> dict[str, torch.Tensor]:
+    """Backups of checksums, step counters and scalar state, after the pages in the undo buffer."""
+    lay = store.layout
+    n = len(lay.update_pages)
+    words = store.undo[n * lay.page_bytes :].view(torch.int64)
+    n_scalars = store.scalars.numel()
+    return {
+        "crcs": words[:n],
+        "steps": words[n : n + lay.n_pieces].view(torch.float64),
+        "scalars": words[n + lay.n_pieces : n + lay.n_pieces + n_scalars].view(torch.float64),
+        "flags": words[n + lay.n_pieces + n_scalars : n + lay.n_pieces + n_scalars + store.flags.numel()],
+    }
+
+
+def restore_whole(store: RetainedStore) -> list[int]:
+    """Put back everything a whole-state transaction may have touched; returns the pages."""
+    lay = store.layout
+    pages = list(lay.update_pages)
+    undo = store.undo_view(len(pages))
+    for i, p in enumerate(pages):
+        store.pages[p].copy_(undo[i])
+    tail = whole_undo_tail(store)
+    store.crcs[pages] = tail["crcs"].clone()
+    store.steps.copy_(tail["steps"].float())
+    store.scalars.copy_(tail["scalars"].float().view_as(store.scalars))
+    store.flags.copy_(tail["flags"])  # e.g. "state adopted" set by the step being undone
+    store.chunk_table[:, 0] = int(store.undo_header[UNDO_VERSION])
+    store.chunk_table[:, 1] = IDLE
+    return pages
+
+
+def bind_generic_state(store: RetainedStore, optimizer: torch.optim.Optimizer,
+                       params: Sequence[torch.nn.Parameter], copy_in: bool) -> None:
+    """Make the optimizer's state tensors views into the store (``copy_in``: keep its values)."""
+    lay = store.layout
+    for slot, p in zip(lay.params, params):
+        existing = optimizer.state.get(p, {})
+        state = {}
+        for kind in lay.segments[slot.segment].kinds:
+            if kind in (PARAM, GRAD):
+                continue
+            state[kind] = store.param_view(slot, kind)
+        if lay.group_hparams[lay.segments[slot.segment].group].get("_leto_has_step"):
+            state["step"] = store.steps[lay.param_first_piece[slot.index]]
+        for j, kind in enumerate(lay.scalar_kinds):
+            state[kind] = store.scalars[slot.index, j]
+        if copy_in:  # keep the optimizer's values; skip tensors that already are our views
+            for key, view in state.items():
+                if key in existing and existing[key].data_ptr() != view.data_ptr():
+                    view.copy_(existing[key])
+        optimizer.state[p] = state
