@@ -14,6 +14,7 @@ import sys
 
 _SUBCOMMANDS = {
     "demo": "leto_lightning.demo",
+    "launch": "leto_lightning.runtime.launch",
     "simulate": "leto_lightning.sim.cli",
 }
 

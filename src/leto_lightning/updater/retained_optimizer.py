@@ -104,16 +104,21 @@ class RetainedOptimizer:
         return ro
 
     # -- binding -------------------------------------------------------------------------
-    def bind(self, adopt: bool) -> None:
+    def bind(self, adopt: bool, resume: bool = True, iteration: int = 0, payload: object = None) -> None:
         """Make params, grads and optimizer state views into the store.
 
         ``adopt=False``: copy the current values in and encode fresh parity (a new job).
         ``adopt=True``: the store is authoritative (a shadow resuming): params take its values.
+        ``resume=False`` (with adopt): only bind the views -- a shadow pre-initialising while the
+        active trainer still trains; call ``resume()`` once promoted.
+        ``iteration`` (new store): the first iteration this store will update, e.g. the one after
+        a checkpoint; recorded as committed ``iteration - 1`` with ``payload``.
         """
         store, lay = self.store, self.layout
         for slot, p in zip(lay.params, self.params):
             if tuple(p.shape) != slot.shape:
                 raise ValueError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
+            existing = dict(self.optimizer.state.get(p, {}))  # e.g. loaded from a checkpoint
             view = store.param_view(slot, PARAM)
             if not adopt:
                 view.copy_(p.detach())
@@ -124,13 +129,33 @@ class RetainedOptimizer:
                 state = {k: store.param_view(slot, k) for k in lay.segments[slot.segment].kinds if k not in (PARAM, GRAD)}
                 if lay.family == "adam":
                     state["step"] = store.steps[lay.param_first_piece[slot.index]]
+                if not adopt and existing:
+                    self._copy_existing_state(slot, state, existing)
                 self.optimizer.state[p] = state
         if lay.family == "generic":
             self._bind_generic(adopt)
         if not adopt:
             encode_all(store, self.txn.codes)
-        else:
-            self._finish_pending_step()
+            store.chunk_table[:, 0] = iteration
+            self.txn.commit(iteration - 1, payload)
+            self.iteration = iteration
+        elif resume:
+            self.resume()
+
+    def _copy_existing_state(self, slot, state: dict, existing: dict) -> None:
+        """Optimizer state that exists before binding (a checkpoint was loaded) moves in."""
+        lay, store = self.layout, self.store
+        for key, value in existing.items():
+            if key == "step" or key not in state:
+                continue
+            state[key].copy_(value)
+        step = existing.get("step")
+        pieces = [i for c, ps in enumerate(lay.chunk_pieces) for i, pc in enumerate(ps, lay.chunk_first_piece[c])
+                  if pc[0] == slot.index]
+        if step is not None or lay.family == "sgd":
+            # SGD keeps no step: a loaded momentum buffer means "not the first step" for every piece.
+            value = float(step) if step is not None else 1.0
+            store.steps[pieces] = value
 
     def _bind_generic(self, adopt: bool) -> None:
         """Generic optimizers: bind state that exists (created in ``__init__`` like Adagrad's, or
@@ -142,13 +167,14 @@ class RetainedOptimizer:
             bind_generic_state(store, self.optimizer, self.params, copy_in=True)
             store.flags[FLAG_GENERIC_STATE_BOUND] = 1
 
-    def _finish_pending_step(self) -> None:
-        """A shadow adopting the store: finish a prepared whole-state step recovery left pending
-        (it needs the optimizer object), then continue after the last committed iteration."""
+    def resume(self) -> object:
+        """A shadow taking over: finish a prepared whole-state step recovery left pending (it
+        needs the optimizer object) and continue after the last committed iteration.
+        Returns the committed resume payload (None when nothing was committed yet)."""
         rec = self.store.record.read()
         if rec is None:
             self.iteration = 0
-            return
+            return None
         payload = rec.payload
         if payload["status"] == PREPARED and self.layout.family == "generic":
             self.txn.update_chunks(payload["iteration"], payload["hparams"], payload["skip_params"])
@@ -158,6 +184,7 @@ class RetainedOptimizer:
             raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
                                "committed; run updater.recovery.recover_node before binding a shadow")
         self.iteration = payload["iteration"] + 1
+        return payload["payload"]
 
     def _mark_received(self, index: int):
         def hook(_param: torch.Tensor) -> None:

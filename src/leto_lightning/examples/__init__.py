@@ -1,0 +1,5 @@
+"""Example training scripts run by ``leto launch`` (tests, benchmarks and docs use them)."""
+
+from pathlib import Path
+
+PLAIN_DDP = str(Path(__file__).with_name("plain_ddp.py"))

@@ -1,0 +1,230 @@
+"""The per-node agent of ``leto launch``: starts the trainers, watches them, recovers.
+
+Lifecycle of one failure (DESIGN.md section 2.5)::
+
+    detect (exit / hang) -> classify -> HOF: stop every active trainer -> new generation ->
+    recover retained state (undo-restore, repair, roll forward) -> promote the shadows (or start
+    cold trainers that attach) -> wait until every rank resumed -> start fresh shadows
+    non-HOF (or damage beyond parity): stop everything -> checkpoint restart
+
+A failure while recovering simply starts the next generation. Every step is in the event log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..retained.shm import new_job_id, unlink_segments
+from . import keys
+from .classify import Failure
+from .config import RuntimeConfig
+from .events import EventLog
+from .procs import TrainerProcess, spawn
+from .recovery_flow import RecoveryMixin
+
+
+@dataclass
+class LaunchSpec:
+    script: str
+    args: list[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    run_dir: str = "leto-runs/latest"
+    faults: list[dict] = field(default_factory=list)
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node} and nnodes={self.nnodes} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class JobStopped(Exception):
+    """The job cannot go on (failure budget, no recovery path); the message says why."""
+
+
+class Agent(RecoveryMixin):
+    def __init__(self, spec: LaunchSpec, config: RuntimeConfig | None = None, out=None) -> None:
+        self.spec = spec
+        self.config = config or RuntimeConfig()
+        self.out = out or sys.stdout
+        self.events = EventLog(spec.run_dir)
+        self.generation = 0
+        self.shadow_set = 0
+        self.job_id = new_job_id()
+        self.all_job_ids = [self.job_id]
+        self.actives: dict[int, TrainerProcess] = {}
+        self.shadows: dict[int, TrainerProcess] = {}
+        self.failure_times: deque[float] = deque()
+        self.pending_recovery: dict | None = None
+        self._heartbeats: dict[int, tuple[bytes, float]] = {}
+        self._stop_signal: int | None = None
+        self._last_poll = time.time()
+        self.store: dist.TCPStore | None = None
+
+    # -- the main loop ---------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start_store()
+            self._start_actives(resume="")
+            self._start_shadows()
+            return self._loop()
+        except JobStopped as exc:
+            self.events.emit("job_stopped", self.generation, reason=str(exc))
+            print(f"[leto] job stopped: {exc}", file=self.out, flush=True)
+            return 3
+        finally:
+            self._shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _loop(self) -> int:
+        while True:
+            if self._stop_signal is not None:
+                self.events.emit("job_interrupted", self.generation, signal=self._stop_signal)
+                return 128 + self._stop_signal
+            self._track_first_iteration()
+            finished = self._finished()
+            if finished is not None:
+                self.events.emit("job_finished", self.generation, exit_code=finished, recoveries=self.generation)
+                return finished
+            failure = self._detect()
+            if failure is not None:
+                self._handle(failure)
+            else:
+                self._watch_shadows()
+            self._last_poll = time.time()
+            time.sleep(self.config.poll_interval)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+
+    # -- processes -------------------------------------------------------------------------
+    def _start_store(self) -> None:
+        s = self.spec
+        self.store = dist.TCPStore(s.master_addr, s.master_port, world_size=None, is_master=(s.node_rank == 0),
+                                   timeout=timedelta(seconds=60), wait_for_workers=False)
+        self.port = self.store.port
+
+    def _env(self, local_rank: int, role: str, generation: int, resume: str) -> dict[str, str]:
+        s = self.spec
+        rank = s.node_rank * s.nproc_per_node + local_rank
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(s.world_size),
+            LOCAL_WORLD_SIZE=str(s.nproc_per_node), GROUP_RANK=str(s.node_rank), LETO_NODE_RANK=str(s.node_rank),
+            MASTER_ADDR=s.master_addr, MASTER_PORT=str(self.port), LETO_ROLE=role, LETO_JOB_ID=self.job_id,
+            LETO_RUN_DIR=os.path.abspath(s.run_dir), LETO_GENERATION=str(generation),
+            LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.config.shadow_level), LETO_RESUME=resume,
+            LETO_FAULTS=json.dumps(self._pending_faults()), PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _spawn(self, local_rank: int, role: str, resume: str) -> TrainerProcess:
+        env = self._env(local_rank, role, self.generation, resume)
+        proc = spawn([self.spec.python, self.spec.script, *self.spec.args], env, int(env["RANK"]), local_rank, role,
+                     self.generation, self.shadow_set, self.out)
+        self.events.emit("process_started", self.generation, rank=proc.rank, role=role, pid=proc.pid,
+                         shadow_set=self.shadow_set if role == "shadow" else None, resume=resume or None)
+        return proc
+
+    def _start_actives(self, resume: str) -> None:
+        for rank in self._local_ranks():
+            self.store.set(keys.HEARTBEAT.format(rank=rank), "")
+        self._heartbeats.clear()
+        self.actives = {p.rank: p for p in (self._spawn(lr, "active", resume) for lr in range(self.spec.nproc_per_node))}
+
+    def _start_shadows(self) -> None:
+        if not self.config.shadows:
+            return
+        self.shadow_set += 1
+        self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
+        self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set, level=self.config.shadow_level,
+                         reason="started")
+
+    def _local_ranks(self) -> list[int]:
+        first = self.spec.node_rank * self.spec.nproc_per_node
+        return list(range(first, first + self.spec.nproc_per_node))
+
+    def _pending_faults(self) -> list[dict]:
+        if self.store is None:
+            return list(self.spec.faults)
+        return [f for f in self.spec.faults if not self.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
+
+    def _kill(self, procs: dict[int, TrainerProcess]) -> None:
+        for p in procs.values():
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs.values():
+            p.kill()
+
+    def _shutdown(self) -> None:
+        self._kill(self.actives)
+        self._kill(self.shadows)
+        self.actives, self.shadows = {}, {}
+        for job in self.all_job_ids:
+            unlink_segments(job)
+        self.events.close()
+
+    # -- detection -------------------------------------------------------------------------
+    def _finished(self) -> int | None:
+        codes = [p.poll() for p in self.actives.values()]
+        if codes and all(c == 0 for c in codes):
+            return 0
+        return None
+
+    def _detect(self) -> Failure | None:
+        now = time.time()
+        for p in self.actives.values():
+            code = p.poll()
+            if code is not None and code != 0:
+                exit_code, sig = p.exit_status()
+                return self._failure(p, exit_code=exit_code, signal=sig)
+        for p in self.actives.values():
+            if p.poll() is None and self._hung(p, now):
+                return self._failure(p, hang=True)
+        return None
+
+    def _failure(self, p: TrainerProcess, **how) -> Failure:
+        hb = self._last_heartbeat(p.rank)
+        exc = None
+        key = keys.EXCEPTION.format(pid=p.pid)
+        if self.store.check([key]):
+            exc = self.store.get(key).decode(errors="replace")
+        f = Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
+                    iteration=hb.get("it"), phase=hb.get("phase"), last_heartbeat=hb.get("t"), **how)
+        return f
+
+    def _last_heartbeat(self, rank: int) -> dict:
+        raw = self.store.get(keys.HEARTBEAT.format(rank=rank))
+        return json.loads(raw) if raw else {}
+
+    def _hung(self, p: TrainerProcess, now: float) -> bool:
+        raw = self.store.get(keys.HEARTBEAT.format(rank=p.rank))
+        seen = self._heartbeats.get(p.rank)
+        if seen is None or seen[0] != raw:
+            self._heartbeats[p.rank] = (raw, now)
+            return False
+        limit = self.config.heartbeat_timeout if raw else self.config.startup_timeout
+        return now - seen[1] > limit

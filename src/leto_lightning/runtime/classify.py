@@ -1,0 +1,115 @@
+"""Is a failure hardware-operable (in-place recovery) or not (checkpoint path)?
+
+Inputs: how the trainer ended (exit code, signal, reported exception, hang) and the device's
+health. Device health comes from NVML on NVIDIA machines (the device answers, no pending page
+retirement, no row-remap failure); on a CPU-only machine the "device" is the host and is
+operable. NVML missing means no NVIDIA device, not an error.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from dataclasses import dataclass, field
+
+from .config import ClassificationRule, RuntimeConfig
+
+
+@dataclass
+class Failure:
+    rank: int
+    pid: int | None
+    role: str = "active"
+    exit_code: int | None = None
+    signal: int | None = None
+    exception: str | None = None
+    hang: bool = False
+    iteration: int | None = None
+    phase: str | None = None
+    detected_at: float = 0.0
+    last_heartbeat: float | None = None
+
+    def describe(self) -> str:
+        if self.hang:
+            return f"rank {self.rank} hung (no heartbeat)"
+        if self.signal is not None:
+            return f"rank {self.rank} killed by {_signal.Signals(self.signal).name}"
+        return f"rank {self.rank} exited with code {self.exit_code}" + (f" ({self.exception})" if self.exception else "")
+
+
+@dataclass
+class DeviceHealth:
+    operable: bool
+    source: str
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class Classification:
+    hof: bool
+    reason: str
+    device: DeviceHealth
+
+
+def device_health(local_rank: int) -> DeviceHealth:
+    """Ask NVML about the device of ``local_rank``; no NVML means a CPU job (operable)."""
+    try:
+        import pynvml
+    except ImportError:
+        return DeviceHealth(True, "no NVML (nvidia-ml-py not installed): CPU job")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return DeviceHealth(True, "no NVIDIA device (NVML library not found): CPU job")
+    try:
+        return _nvml_health(pynvml, local_rank)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _nvml_health(pynvml, index: int) -> DeviceHealth:
+    details: dict = {}
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        details["name"] = pynvml.nvmlDeviceGetName(handle)
+    except pynvml.NVMLError as exc:  # the device does not answer: fell off the bus / needs reset
+        return DeviceHealth(False, f"NVML: device {index} does not answer ({exc})", details)
+    for probe, key in ((pynvml.nvmlDeviceGetRetiredPagesPendingStatus, "retired_pages_pending"),):
+        try:
+            details[key] = bool(probe(handle))
+        except pynvml.NVMLError:
+            pass
+    try:
+        remap = pynvml.nvmlDeviceGetRemappedRows(handle)  # (corr, uncorr, pending, failure)
+        details["row_remap_pending"], details["row_remap_failure"] = bool(remap[2]), bool(remap[3])
+    except (pynvml.NVMLError, AttributeError):
+        pass
+    if details.get("row_remap_failure"):
+        return DeviceHealth(False, "NVML: row-remap failure: the GPU needs a reset", details)
+    if details.get("retired_pages_pending") or details.get("row_remap_pending"):
+        return DeviceHealth(False, "NVML: page retirement / row remap pending: reset required", details)
+    return DeviceHealth(True, "NVML: device answers, no pending retirement or remap", details)
+
+
+def classify(failure: Failure, config: RuntimeConfig, health: DeviceHealth) -> Classification:
+    if not health.operable:
+        return Classification(False, f"device not operable: {health.source}", health)
+    for rule in config.all_rules:
+        if _matches(rule, failure):
+            return Classification(rule.hof, rule.reason, health)
+    return Classification(config.unknown_is_hof, "no rule matched: unknown_is_hof", health)
+
+
+def _matches(rule: ClassificationRule, f: Failure) -> bool:
+    checks = []
+    if rule.exit_code is not None:
+        checks.append(f.exit_code == rule.exit_code)
+    if rule.signal is not None:
+        checks.append(f.signal == rule.signal)
+    if rule.exception is not None:
+        checks.append(bool(f.exception) and rule.exception in f.exception)
+    if rule.hang is not None:
+        checks.append(f.hang == rule.hang)
+    return bool(checks) and all(checks)

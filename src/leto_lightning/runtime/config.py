@@ -1,0 +1,79 @@
+"""Runtime settings: detection timeouts, failure budget, shadow level, classification rules."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+SHADOW_LEVELS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ClassificationRule:
+    """One row of the HOF table: the first rule whose fields all match decides.
+
+    ``exit_code`` / ``signal`` match a process exit; ``exception`` is a substring of the
+    exception the trainer reported; ``reason`` is what the event log says.
+    """
+
+    hof: bool
+    reason: str
+    exit_code: int | None = None
+    signal: int | None = None
+    exception: str | None = None
+    hang: bool | None = None
+
+
+def default_rules() -> tuple[ClassificationRule, ...]:
+    """DESIGN.md section 1: software failures and contained device errors are operable."""
+    return (
+        ClassificationRule(False, "device lost (Xid 79-class): needs a reset or a new node", exception="GPU is lost"),
+        ClassificationRule(False, "uncontained ECC / remap failure (Xid 48/64/95): GPU reset",
+                           exception="uncorrectable ECC error encountered"),
+        ClassificationRule(True, "contained device error (Xid 13/31/94-class)", exception="CUDA error"),
+        ClassificationRule(True, "hang: no heartbeat within the timeout", hang=True),
+        ClassificationRule(True, "trainer killed", signal=signal.SIGKILL),
+        ClassificationRule(True, "trainer crashed (segfault/abort/bus error)", signal=signal.SIGSEGV),
+        ClassificationRule(True, "trainer crashed (segfault/abort/bus error)", signal=signal.SIGABRT),
+        ClassificationRule(True, "trainer crashed (segfault/abort/bus error)", signal=signal.SIGBUS),
+        ClassificationRule(True, "trainer raised an exception", exit_code=1),
+    )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the agent watches and recovers a job.
+
+    heartbeat_timeout: seconds without progress from a trainer before it counts as hung.
+    startup_timeout:   seconds a trainer may take before its first heartbeat.
+    poll_interval:     how often the agent checks processes and heartbeats.
+    max_failures / failure_window: more failures than this within the window stop the job.
+    shadow_level:      3 = full pre-init, 2 = device runtime only, 1 = interpreter + imports.
+    extra_rules:       classification rules tried before the defaults (e.g. an exit code
+                       that means "device lost").
+    unknown_is_hof:    what an exit no rule matches counts as.
+    """
+
+    heartbeat_timeout: float = 60.0
+    startup_timeout: float = 300.0
+    poll_interval: float = 0.05
+    max_failures: int = 20
+    failure_window: float = 3600.0
+    shadow_level: int = 3
+    extra_rules: tuple[ClassificationRule, ...] = ()
+    unknown_is_hof: bool = True
+    shadows: bool = True
+    rules: tuple[ClassificationRule, ...] = field(default_factory=default_rules)
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_timeout", "startup_timeout", "poll_interval", "failure_window"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures={self.max_failures} must be at least 1")
+        if self.shadow_level not in SHADOW_LEVELS:
+            raise ValueError(f"shadow_level={self.shadow_level}: choose 1, 2 or 3 (L1/L2/L3)")
+
+    @property
+    def all_rules(self) -> tuple[ClassificationRule, ...]:
+        return tuple(self.extra_rules) + tuple(self.rules)

@@ -1,0 +1,13 @@
+"""Names of the coordination keys in the job's TCPStore (hosted by the node-0 agent).
+
+Generation-scoped names make a late write from a dead trainer harmless: nobody reads it.
+"""
+
+HEARTBEAT = "hb/{rank}"  # json {t, it, phase, pid, gen}: progress of the active trainer
+EXCEPTION = "exc/{pid}"  # text of an exception a trainer reported before dying
+SHADOW_READY = "ready/{sgen}/{rank}"  # a shadow of set sgen reached its pre-init level
+PROMOTE = "promote/{sgen}"  # json {generation}: the agent promotes shadow set sgen
+RESUMED = "resumed/{gen}/{rank}"  # json {init_s, resume_s, iteration}: trainer resumed
+FAULT_FIRED = "fault/{id}"  # an injected fault already fired (never fire twice)
+PG_PREFIX = "pg/{name}/"  # process-group namespace: "g0" for the first actives, "s<sgen>" for shadows
+STORE_READY = "stores/{job}/{rank}"  # the retained store of a rank exists and is encoded

@@ -1,0 +1,58 @@
+"""``leto launch``: start a job whose ranks survive hardware-operable failures in place."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from .agent import Agent, LaunchSpec
+from .config import ClassificationRule, RuntimeConfig
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch",
+        help="run a training script on N ranks with shadows and in-place recovery",
+        description=(
+            "Start, per node, the agent, N active trainers and N shadow trainers (the same script with "
+            "LETO_ROLE=shadow). Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+            "like torchrun. Exits with the script's status. Events go to RUN_DIR/events.jsonl."
+        ),
+    )
+    env = os.environ
+    p.add_argument("--nproc-per-node", type=int, default=int(env.get("LOCAL_WORLD_SIZE", 1)))
+    p.add_argument("--nnodes", type=int, default=int(env.get("SLURM_NNODES", env.get("NNODES", 1))))
+    p.add_argument("--node-rank", type=int, default=int(env.get("SLURM_NODEID", env.get("NODE_RANK", 0))))
+    p.add_argument("--master-addr", default=env.get("MASTER_ADDR", "127.0.0.1"))
+    p.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT", 0)),
+                   help="TCPStore port (0: a free port; single node only)")
+    p.add_argument("--run-dir", default=None, help="events, checkpoints, outputs (default: leto-runs/<time>)")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0, help="seconds without progress = hang")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--shadow-level", type=int, choices=(1, 2, 3), default=3,
+                   help="3: full pre-init, 2: device runtime only, 1: interpreter and imports")
+    p.add_argument("--no-shadows", action="store_true", help="recover by starting new trainers (slower)")
+    p.add_argument("--max-failures", type=int, default=20, help="failures allowed within --failure-window")
+    p.add_argument("--failure-window", type=float, default=3600.0)
+    p.add_argument("--non-hof-exit-code", type=int, action="append", default=[],
+                   help="an exit code that means the device is not operable (checkpoint restart)")
+    p.add_argument("--faults", default="", help="JSON list of injected faults (tests, demos)")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("%Y%m%d-%H%M%S"))
+    spec = LaunchSpec(script=args.script, args=args.script_args, nproc_per_node=args.nproc_per_node,
+                      nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                      master_port=args.master_port, run_dir=run_dir,
+                      faults=json.loads(args.faults) if args.faults else [])
+    rules = tuple(ClassificationRule(False, f"exit code {c} declared non-HOF (--non-hof-exit-code)", exit_code=c)
+                  for c in args.non_hof_exit_code)
+    config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
+                           shadow_level=args.shadow_level, shadows=not args.no_shadows,
+                           max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
+    return Agent(spec, config).run()

@@ -1,0 +1,70 @@
+"""Trainer processes the agent starts: environment, output streaming, stopping by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainerProcess:
+    rank: int
+    local_rank: int
+    role: str  # "active" or "shadow"
+    generation: int
+    shadow_set: int
+    popen: subprocess.Popen
+    started_at: float = field(default_factory=time.time)
+    _pump: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL (after SIGCONT, so a stopped process dies too) and reap."""
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                break
+        try:
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a kernel-stuck process
+            pass
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+
+    def exit_status(self) -> tuple[int | None, int | None]:
+        """(exit code, signal) once the process ended."""
+        code = self.popen.returncode
+        if code is None:
+            return None, None
+        return (code, None) if code >= 0 else (None, -code)
+
+
+def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: str, generation: int,
+          shadow_set: int, out=None) -> TrainerProcess:
+    """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
+    popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             bufsize=1, text=True, errors="replace")
+    proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
+    prefix = f"[rank {rank} {role} g{generation}] "
+    proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout), daemon=True)
+    proc._pump.start()
+    return proc
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in stream:
+        out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+        out.flush()
+    stream.close()

@@ -1,0 +1,186 @@
+"""What the agent does once a failure is detected (the methods of ``Agent`` that recover).
+
+Breakdown recorded for every in-place recovery (seconds; docs/events.md):
+  detect        failure -> noticed (exit: at most one poll interval; hang: since the last heartbeat)
+  stop          SIGKILL every active trainer and reap it
+  attach_repair attach the node's retained stores, undo-restore, repair, roll forward
+  init          what the promoted trainers still had to build (0 for a ready L3 shadow)
+  resume        re-binding to retained state and restoring loop/RNG/data position
+  recompute     redoing the interrupted iteration when it failed before its update committed
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ..protection.errors import ProtectionError
+from ..retained.shm import new_job_id, unlink_segments
+from ..retained.store import RetainedStore
+from ..updater.recovery import recover_node
+from . import keys
+from .classify import Failure, classify, device_health
+
+
+class RecoveryMixin:
+    def _handle(self, failure: Failure) -> None:
+        """Recover from ``failure``; a failure during recovery starts the next generation."""
+        while failure is not None:
+            self._charge_budget(failure)
+            self.events.emit("failure_detected", self.generation, rank=failure.rank, pid=failure.pid,
+                             role=failure.role, exit_code=failure.exit_code, signal=failure.signal,
+                             exception=failure.exception, hang=failure.hang, phase=failure.phase,
+                             iteration=failure.iteration)
+            local = failure.rank - self.spec.node_rank * self.spec.nproc_per_node
+            verdict = classify(failure, self.config, device_health(local))
+            self.events.emit("classification", self.generation, rank=failure.rank, hof=verdict.hof,
+                             reason=verdict.reason, device=verdict.device.source)
+            print(f"[leto] {failure.describe()}: {'HOF' if verdict.hof else 'not a HOF'} ({verdict.reason})",
+                  file=self.out, flush=True)
+            if verdict.hof:
+                failure = self._recover_in_place(failure)
+            else:
+                failure = self._restart_from_checkpoint(f"non-HOF failure: {verdict.reason}")
+
+    def _charge_budget(self, failure: Failure) -> None:
+        now = time.time()
+        self.failure_times.append(now)
+        while self.failure_times and now - self.failure_times[0] > self.config.failure_window:
+            self.failure_times.popleft()
+        if len(self.failure_times) > self.config.max_failures:
+            from .agent import JobStopped
+
+            raise JobStopped(
+                f"{len(self.failure_times)} failures within {self.config.failure_window:.0f} s exceed the budget of "
+                f"{self.config.max_failures} (last: {failure.describe()}); retained memory is freed, the last "
+                "checkpoint (if the script saved one) is intact -- fix the cause and relaunch"
+            )
+
+    def _recover_in_place(self, failure: Failure) -> Failure | None:
+        t_fail = failure.last_heartbeat if failure.hang and failure.last_heartbeat else self._last_poll
+        timing = {"detect": max(0.0, failure.detected_at - t_fail)}
+        self.generation += 1
+        self.events.emit("recovery_started", self.generation, cause_rank=failure.rank, hof=True)
+        t0 = time.time()
+        self._kill(self.actives)
+        self.actives = {}
+        timing["stop"] = time.time() - t0
+        t1 = time.time()
+        try:
+            reports = self._recover_retained()
+        except FileNotFoundError:
+            return self._restart_from_checkpoint("no retained state yet (the failure came before it was created)")
+        except (ProtectionError, RuntimeError) as exc:
+            return self._restart_from_checkpoint(f"retained state unusable: {exc}")
+        timing["attach_repair"] = time.time() - t1
+        resume_it = min(r.resume_iteration for r in reports.values())
+        promoted = self._promote_or_cold_start()
+        outcome = self._wait_resumed(timing)
+        if isinstance(outcome, Failure):
+            return outcome
+        self._start_shadows()
+        lost = failure.iteration is not None and failure.phase == "compute"
+        self.pending_recovery = dict(timing, t_fail=t_fail, resume_iteration=resume_it, failed_iteration=failure.iteration,
+                                     recomputes=bool(lost and resume_it <= failure.iteration), promoted=promoted,
+                                     t_resumed=time.time(), repair=[r.summary() for r in reports.values()])
+        return None
+
+    def _recover_retained(self) -> dict:
+        stores = {r - self._local_ranks()[0]: RetainedStore.attach(self.job_id, r) for r in self._local_ranks()}
+        try:
+            return recover_node(stores)
+        finally:
+            for s in stores.values():
+                s.close()
+
+    def _promote_or_cold_start(self) -> str:
+        ready = self.shadows and all(
+            p.poll() is None and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
+            for r, p in self.shadows.items())
+        for rank in self._local_ranks():
+            self.store.set(keys.HEARTBEAT.format(rank=rank), "")
+        self._heartbeats.clear()
+        if ready:
+            self.store.set(keys.PROMOTE.format(sgen=self.shadow_set), json.dumps({"generation": self.generation}))
+            for p in self.shadows.values():
+                p.role, p.generation = "active", self.generation
+            self.actives, self.shadows = self.shadows, {}
+            self.events.emit("shadows_promoted", self.generation, shadow_set=self.shadow_set)
+            return "shadow"
+        self._kill(self.shadows)
+        self.shadows = {}
+        self._start_actives(resume="retained")
+        self.events.emit("cold_start", self.generation, reason="no ready shadow set: new trainers attach to retained state")
+        return "cold"
+
+    def _wait_resumed(self, timing: dict) -> Failure | dict:
+        deadline = time.time() + self.config.startup_timeout
+        pending = set(self.actives)
+        infos = {}
+        while pending:
+            for r in list(pending):
+                key = keys.RESUMED.format(gen=self.generation, rank=r)
+                if self.store.check([key]):
+                    infos[r] = json.loads(self.store.get(key))
+                    pending.discard(r)
+            failure = self._detect()
+            if failure is not None:
+                self.events.emit("recovery_failed", self.generation, rank=failure.rank, reason=failure.describe())
+                return failure
+            if time.time() > deadline:
+                p = self.actives[next(iter(pending))]
+                return self._failure(p, hang=True)
+            time.sleep(self.config.poll_interval)
+        timing["init"] = max(i["init_s"] for i in infos.values())
+        timing["resume"] = max(i["resume_s"] for i in infos.values())
+        return infos
+
+    def _track_first_iteration(self) -> None:
+        """Close a recovery's books when every rank finished an iteration after resuming."""
+        rec = self.pending_recovery
+        if rec is None:
+            return
+        beats = [self._last_heartbeat(r) for r in self.actives]
+        if not all(b.get("phase") == "done" and b.get("it", -1) >= rec["resume_iteration"] for b in beats):
+            if not all(p.poll() == 0 for p in self.actives.values()):
+                return
+        now = time.time()
+        first = now - rec["t_resumed"]
+        breakdown = {k: round(rec[k], 4) for k in ("detect", "stop", "attach_repair", "init", "resume")}
+        breakdown["recompute"] = round(first if rec["recomputes"] else 0.0, 4)
+        self.events.emit("recovery_finished", self.generation, breakdown=breakdown,
+                         first_iteration_s=round(first, 4), total_s=round(now - rec["t_fail"], 4),
+                         resume_iteration=rec["resume_iteration"], failed_iteration=rec["failed_iteration"],
+                         promoted=rec["promoted"], repair=rec["repair"])
+        print(f"[leto] recovered in place (generation {self.generation}): resumed at iteration "
+              f"{rec['resume_iteration']}, {now - rec['t_fail']:.2f} s to the first iteration after the failure "
+              f"{breakdown}", file=self.out, flush=True)
+        self.pending_recovery = None
+
+    def _restart_from_checkpoint(self, reason: str) -> Failure | None:
+        """The slow path: everything restarts; the script resumes from its last checkpoint."""
+        self.generation += 1
+        self.events.emit("fallback_checkpoint", self.generation, reason=reason)
+        print(f"[leto] restarting from the last checkpoint: {reason}", file=self.out, flush=True)
+        self._kill(self.actives)
+        self._kill(self.shadows)
+        self.actives, self.shadows, self.pending_recovery = {}, {}, None
+        unlink_segments(self.job_id)
+        self.job_id = new_job_id()
+        self.all_job_ids.append(self.job_id)
+        self._start_actives(resume="checkpoint")
+        self._start_shadows()
+        return None
+
+    def _watch_shadows(self) -> None:
+        """A shadow that died while waiting is replaced (its whole set: they share a group)."""
+        dead = [p for p in self.shadows.values() if p.poll() is not None]
+        if not dead:
+            return
+        for p in dead:
+            code, sig = p.exit_status()
+            self.events.emit("shadow_failed", self.generation, rank=p.rank, pid=p.pid, exit_code=code, signal=sig,
+                             shadow_set=p.shadow_set)
+        self._kill(self.shadows)
+        self.shadows = {}
+        self._start_shadows()

@@ -1,0 +1,303 @@
+"""The trainer's side of the runtime: what a training script calls.
+
+    import leto_lightning.runtime as leto
+    session = leto.init()                     # a shadow at L1/L2 waits here until promoted
+    session.init_process_group("gloo")        # L3 shadows build it ahead (among shadows)
+    model, opt = build()
+    train = session.protect(model, opt)       # L3 shadows bind retained views, then wait here
+    for it in range(train.start_iteration, total):
+        train.begin(it)
+        loss_fn(model(batch(it))).backward()
+        train.all_reduce_grads()
+        train.step(payload={"next": it + 1})  # chunk transactions, agreed across ranks
+    train.finish()
+
+The same script runs as the active trainer and as its shadow (``LETO_ROLE``); the difference
+is only *where* each call returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..faults.points import point, set_hook
+from ..retained.config import RetainedConfig
+from ..retained.layout import GRAD
+from ..retained.store import RetainedStore, StoreSpec
+from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
+from ..updater.transaction import ParityCodes
+from . import keys
+
+
+@dataclass
+class SessionEnv:
+    """What the launcher put in the environment."""
+
+    role: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    master_addr: str
+    master_port: int
+    job_id: str
+    run_dir: str
+    generation: int
+    shadow_set: int
+    level: int
+    resume: str  # "" (fresh), "retained" (cold promotion), "checkpoint"
+    faults: list = field(default_factory=list)
+
+    @classmethod
+    def from_environ(cls, env=os.environ) -> "SessionEnv":
+        missing = [k for k in ("LETO_ROLE", "RANK", "WORLD_SIZE", "MASTER_PORT", "LETO_JOB_ID") if k not in env]
+        if missing:
+            raise RuntimeError(f"not started by `leto launch` (missing {', '.join(missing)}); run the script with "
+                               "`leto launch --nproc-per-node N script.py`")
+        return cls(
+            role=env["LETO_ROLE"], rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            node=int(env.get("GROUP_RANK", env.get("LETO_NODE_RANK", "0"))),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
+            job_id=env["LETO_JOB_ID"], run_dir=env.get("LETO_RUN_DIR", "."),
+            generation=int(env.get("LETO_GENERATION", "0")), shadow_set=int(env.get("LETO_SHADOW_SET", "0")),
+            level=int(env.get("LETO_SHADOW_LEVEL", "3")), resume=env.get("LETO_RESUME", ""),
+            faults=json.loads(env.get("LETO_FAULTS", "[]")),
+        )
+
+
+class Session:
+    def __init__(self, env: SessionEnv, store: dist.TCPStore) -> None:
+        self.env = env
+        self.store = store
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.promoted_at: float | None = None
+        self.pg_name = f"s{env.shadow_set}" if env.role == "shadow" else f"g{env.generation}"
+        self._iteration = -1
+        self._install_exception_reporter()
+        FaultInjector(self).install()
+
+    @property
+    def is_shadow(self) -> bool:
+        return self.env.role == "shadow" and self.promoted_at is None
+
+    # -- shadow waiting ---------------------------------------------------------------
+    def signal_ready(self) -> None:
+        self.store.set(keys.SHADOW_READY.format(sgen=self.env.shadow_set, rank=self.rank), str(time.time()))
+
+    def wait_for_promotion(self) -> None:
+        """Block until the agent promotes this shadow set (or dies: then exit)."""
+        if not self.is_shadow:
+            return
+        self.signal_ready()
+        key = keys.PROMOTE.format(sgen=self.env.shadow_set)
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=5))
+                break
+            except (RuntimeError, dist.DistStoreError) as exc:
+                if "timeout" not in str(exc).lower() and "wait timeout" not in str(exc).lower():
+                    raise  # the agent is gone: nothing left to shadow
+        info = json.loads(self.store.get(key))
+        self.env.generation = int(info["generation"])
+        self.promoted_at = time.time()
+
+    # -- distributed --------------------------------------------------------------------
+    def init_process_group(self, backend: str = "gloo", timeout: float = 60.0) -> None:
+        if self.env.level < 3:
+            self.wait_for_promotion()
+        prefix = keys.PG_PREFIX.format(name=self.pg_name)
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout))
+
+    def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                config: RetainedConfig | None = None, start_iteration: int = 0,
+                payload: object = None) -> "ProtectedTraining":
+        """Bind ``model``/``optimizer`` to retained memory; returns where to start.
+
+        A fresh job (or a restart from a checkpoint: pass the checkpoint's next iteration and
+        resume payload) creates the retained store; shadows and cold restarts attach to it.
+        """
+        t0 = time.time()
+        if self.is_shadow and self.env.level < 3:
+            self.wait_for_promotion()
+        if self.env.role == "active" and self.env.resume != "retained":
+            ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
+            return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
+        self._wait_for_store()
+        store = RetainedStore.attach(self.env.job_id, self.rank)
+        ro = RetainedOptimizer(optimizer, store)
+        ro.bind(adopt=True, resume=False)
+        self.wait_for_promotion()  # L3 shadows wait here, fully built
+        t1 = time.time()
+        payload = ro.resume()
+        t2 = time.time()
+        init_s = (t1 - t0) if self.promoted_at is None or self.promoted_at < t0 else (t1 - self.promoted_at)
+        self.store.set(keys.RESUMED.format(gen=self.env.generation, rank=self.rank),
+                       json.dumps({"init_s": max(0.0, init_s), "resume_s": t2 - t1, "iteration": ro.iteration}))
+        return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload)
+
+    def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
+                payload: object) -> RetainedOptimizer:
+        e = self.env
+        config.check_devices(e.local_world_size)
+        spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout_for(optimizer, config), config)
+        ro = RetainedOptimizer(optimizer, RetainedStore.create(spec))
+        ro.bind(adopt=False, iteration=iteration, payload=payload)
+        self.barrier()
+        if e.local_rank == 0 and spec.tier2.enabled:
+            first = e.rank - e.local_rank
+            peers = [ro.store] + [RetainedStore.attach(e.job_id, first + i) for i in range(1, e.local_world_size)]
+            encode_tier2(peers, ParityCodes(ro.store))
+            for peer in peers[1:]:
+                peer.close()
+        self.barrier()
+        self.store.set(keys.STORE_READY.format(job=e.job_id, rank=e.rank), "1")
+        return ro
+
+    def _wait_for_store(self) -> None:
+        """A shadow starts beside a fresh active trainer: attach once the active created it."""
+        key = keys.STORE_READY.format(job=self.env.job_id, rank=self.rank)
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=5))
+                return
+            except (RuntimeError, dist.DistStoreError) as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+
+    def barrier(self) -> None:
+        """The prepare agreement: one flag all-reduce (raises if a peer is gone)."""
+        if dist.is_initialized():
+            flag = torch.ones(1)
+            dist.all_reduce(flag)
+
+    # -- progress ------------------------------------------------------------------------
+    def heartbeat(self, iteration: int, phase: str) -> None:
+        self._iteration = iteration
+        self.store.set(keys.HEARTBEAT.format(rank=self.rank), json.dumps(
+            {"t": time.time(), "it": iteration, "phase": phase, "pid": os.getpid(), "gen": self.env.generation}))
+
+    def _install_exception_reporter(self) -> None:
+        previous = sys.excepthook
+
+        def report(exc_type, exc, tb):
+            try:
+                self.store.set(keys.EXCEPTION.format(pid=os.getpid()), f"{exc_type.__name__}: {exc}")
+            finally:
+                previous(exc_type, exc, tb)
+
+        sys.excepthook = report
+
+
+    @property
+    def resume_from_checkpoint(self) -> bool:
+        return self.env.resume == "checkpoint"
+
+    def checkpoint_path(self) -> str:
+        return os.path.join(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")
+
+    def save_checkpoint(self, state: dict) -> str:
+        """Atomically write this rank's checkpoint (the slow path's restart point)."""
+        path = self.checkpoint_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return path
+
+    def load_checkpoint(self) -> dict | None:
+        path = self.checkpoint_path()
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+class ProtectedTraining:
+    """The training loop's handle: iteration bookkeeping, gradient all-reduce, the step."""
+
+    def __init__(self, session: Session, model: torch.nn.Module, ro: RetainedOptimizer,
+                 start_iteration: int, payload: object) -> None:
+        self.session = session
+        self.model = model
+        self.optimizer = ro
+        self.start_iteration = start_iteration
+        self.payload = payload
+        self._next_payload: object = None
+        ro.barrier = session.barrier
+        ro.payload_fn = lambda: self._next_payload
+
+    def begin(self, iteration: int) -> None:
+        if iteration != self.optimizer.iteration:
+            raise RuntimeError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
+        self.session.heartbeat(iteration, "compute")
+        self.optimizer.zero_grad()
+        point("compute.begin", iteration=iteration)
+
+    def all_reduce_grads(self) -> None:
+        """Average the retained gradients across ranks: one all-reduce per flat buffer."""
+        if not dist.is_initialized() or self.session.world_size == 1:
+            return
+        store = self.optimizer.store
+        for seg in store.layout.segments:
+            grads = store.region_view(seg.index, GRAD)
+            dist.all_reduce(grads)
+            grads.div_(self.session.world_size)
+
+    def step(self, payload: object = None) -> None:
+        self._next_payload = payload
+        self.session.heartbeat(self.optimizer.iteration, "update")
+        self.optimizer.step()
+        self.session.heartbeat(self.optimizer.iteration - 1, "done")
+
+    def finish(self) -> None:
+        if dist.is_initialized():
+            self.session.barrier()
+            dist.destroy_process_group()
+
+
+class FaultInjector:
+    """Faults from ``LETO_FAULTS`` (tests, benchmarks, demo): a real SIGKILL of this process at
+    a named point of a given iteration on a given rank. Each fault fires once per job."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        mine = [f for f in session.env.faults if f.get("rank") == session.rank]
+        self.pending = [f for f in mine if not session.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
+        self.counts: dict = {}
+
+    def install(self) -> None:
+        if self.pending:
+            set_hook(self)
+
+    def __call__(self, name: str, context: dict) -> None:
+        if self.session.is_shadow:
+            return
+        it = self.session._iteration
+        for f in self.pending:
+            if f["point"] == name and f["iteration"] == it:
+                n = self.counts[f["id"]] = self.counts.get(f["id"], 0) + 1
+                if n == f.get("occurrence", 1):
+                    self.session.store.set(keys.FAULT_FIRED.format(id=f["id"]), str(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init() -> Session:
+    """Connect to the agent of ``leto launch``. Shadows at level 1 or 2 wait here."""
+    env = SessionEnv.from_environ()
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
+    session = Session(env, store)
+    if session.is_shadow and env.level < 3:
+        if env.level == 2 and torch.cuda.is_available():
+            torch.cuda.init()  # L2: the device runtime is up, nothing else
+        session.wait_for_promotion()
+    return session
