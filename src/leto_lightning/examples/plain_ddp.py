@@ -50,9 +50,11 @@ def main() -> None:
         start, payload = ckpt["iteration"], ckpt["payload"]
     cfg = RetainedConfig(page_bytes=16384, data_pages=4, tier1_parity=1, tier2_parity=1, record_bytes=1 << 16)
     train = session.protect(model, opt, cfg, start_iteration=start, payload=payload)
+    losses = open(os.path.join(session.env.run_dir, f"loss_rank{session.rank}.jsonl"), "a")
     if train.payload is not None:
         torch.set_rng_state(train.payload["rng"])
-    losses = open(os.path.join(session.env.run_dir, f"loss_rank{session.rank}.jsonl"), "a")
+        if "loss" in train.payload:  # the last committed iteration may have died before logging
+            losses.write(json.dumps({"it": train.payload["it"], "loss": train.payload["loss"], "gen": -1}) + "\n")
     for it in range(train.start_iteration, args.iterations):
         train.begin(it)
         x, y = batch(session.rank, it, 97)
@@ -60,7 +62,7 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         train.all_reduce_grads()
-        train.step(payload={"rng": torch.get_rng_state()})
+        train.step(payload={"rng": torch.get_rng_state(), "it": it, "loss": loss.item()})
         losses.write(json.dumps({"it": it, "loss": loss.item(), "gen": session.env.generation}) + "\n")
         losses.flush()
         if args.checkpoint_every and (it + 1) % args.checkpoint_every == 0:

@@ -84,6 +84,8 @@ class Agent(RecoveryMixin):
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_store()
+            self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
+                             node_rank=self.spec.node_rank, script=self.spec.script, pid=os.getpid())
             self._start_actives(resume="")
             self._start_shadows()
             return self._loop()
@@ -111,6 +113,7 @@ class Agent(RecoveryMixin):
                 self._handle(failure)
             else:
                 self._watch_shadows()
+                self._publish_shadow_readiness()
             self._last_poll = time.time()
             time.sleep(self.config.poll_interval)
 
@@ -153,12 +156,20 @@ class Agent(RecoveryMixin):
         self.actives = {p.rank: p for p in (self._spawn(lr, "active", resume) for lr in range(self.spec.nproc_per_node))}
 
     def _start_shadows(self) -> None:
+        self.store.set(keys.SHADOWS_READY, "")
         if not self.config.shadows:
             return
         self.shadow_set += 1
         self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
         self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set, level=self.config.shadow_level,
                          reason="started")
+
+    def _publish_shadow_readiness(self) -> None:
+        if self.shadows and not self.store.get(keys.SHADOWS_READY) and all(
+                self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in self.shadows):
+            self.store.set(keys.SHADOWS_READY, str(self.shadow_set))
+            self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set,
+                             level=self.config.shadow_level, reason="ready")
 
     def _local_ranks(self) -> list[int]:
         first = self.spec.node_rank * self.spec.nproc_per_node

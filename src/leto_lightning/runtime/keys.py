@@ -11,3 +11,5 @@ RESUMED = "resumed/{gen}/{rank}"  # json {init_s, resume_s, iteration}: trainer 
 FAULT_FIRED = "fault/{id}"  # an injected fault already fired (never fire twice)
 PG_PREFIX = "pg/{name}/"  # process-group namespace: "g0" for the first actives, "s<sgen>" for shadows
 STORE_READY = "stores/{job}/{rank}"  # the retained store of a rank exists and is encoded
+FIRST_DONE = "first/{gen}/{rank}"  # time the first iteration of a generation completed on a rank
+SHADOWS_READY = "shadows/ready"  # the shadow set that is ready to be promoted now ("" if none)

@@ -25,6 +25,15 @@ from .classify import Failure, classify, device_health
 class RecoveryMixin:
     def _handle(self, failure: Failure) -> None:
         """Recover from ``failure``; a failure during recovery starts the next generation."""
+        self._track_first_iteration()
+        if self.pending_recovery is not None:  # failed again before the first iteration after resuming
+            self.events.emit("recovery_finished", self.generation, interrupted=True, first_iteration_s=None,
+                             breakdown={k: round(self.pending_recovery[k], 4)
+                                        for k in ("detect", "stop", "attach_repair", "init", "resume")},
+                             resume_iteration=self.pending_recovery["resume_iteration"],
+                             failed_iteration=self.pending_recovery["failed_iteration"],
+                             promoted=self.pending_recovery["promoted"])
+            self.pending_recovery = None
         while failure is not None:
             self._charge_budget(failure)
             self.events.emit("failure_detected", self.generation, rank=failure.rank, pid=failure.pid,
@@ -78,11 +87,12 @@ class RecoveryMixin:
         outcome = self._wait_resumed(timing)
         if isinstance(outcome, Failure):
             return outcome
-        self._start_shadows()
         lost = failure.iteration is not None and failure.phase == "compute"
         self.pending_recovery = dict(timing, t_fail=t_fail, resume_iteration=resume_it, failed_iteration=failure.iteration,
                                      recomputes=bool(lost and resume_it <= failure.iteration), promoted=promoted,
-                                     t_resumed=time.time(), repair=[r.summary() for r in reports.values()])
+                                     t_resumed=max(i["t"] for i in outcome.values()),
+                                     repair=[r.summary() for r in reports.values()])
+        self._start_shadows()  # in the background: training goes on meanwhile
         return None
 
     def _recover_retained(self) -> dict:
@@ -100,6 +110,7 @@ class RecoveryMixin:
         for rank in self._local_ranks():
             self.store.set(keys.HEARTBEAT.format(rank=rank), "")
         self._heartbeats.clear()
+        self.store.set(keys.SHADOWS_READY, "")
         if ready:
             self.store.set(keys.PROMOTE.format(sgen=self.shadow_set), json.dumps({"generation": self.generation}))
             for p in self.shadows.values():
@@ -140,11 +151,10 @@ class RecoveryMixin:
         rec = self.pending_recovery
         if rec is None:
             return
-        beats = [self._last_heartbeat(r) for r in self.actives]
-        if not all(b.get("phase") == "done" and b.get("it", -1) >= rec["resume_iteration"] for b in beats):
-            if not all(p.poll() == 0 for p in self.actives.values()):
-                return
-        now = time.time()
+        done = [keys.FIRST_DONE.format(gen=self.generation, rank=r) for r in self.actives]
+        if not self.store.check(done):
+            return
+        now = max(float(self.store.get(k)) for k in done)
         first = now - rec["t_resumed"]
         breakdown = {k: round(rec[k], 4) for k in ("detect", "stop", "attach_repair", "init", "resume")}
         breakdown["recompute"] = round(first if rec["recomputes"] else 0.0, 4)

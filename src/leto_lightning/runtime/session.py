@@ -141,12 +141,14 @@ class Session:
         ro = RetainedOptimizer(optimizer, store)
         ro.bind(adopt=True, resume=False)
         self.wait_for_promotion()  # L3 shadows wait here, fully built
+        point("promotion.resume")
         t1 = time.time()
         payload = ro.resume()
         t2 = time.time()
         init_s = (t1 - t0) if self.promoted_at is None or self.promoted_at < t0 else (t1 - self.promoted_at)
         self.store.set(keys.RESUMED.format(gen=self.env.generation, rank=self.rank),
-                       json.dumps({"init_s": max(0.0, init_s), "resume_s": t2 - t1, "iteration": ro.iteration}))
+                       json.dumps({"init_s": max(0.0, init_s), "resume_s": t2 - t1, "iteration": ro.iteration,
+                                   "t": time.time()}))
         return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload)
 
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
@@ -233,6 +235,7 @@ class ProtectedTraining:
         self.start_iteration = start_iteration
         self.payload = payload
         self._next_payload: object = None
+        self._first_done = False
         ro.barrier = session.barrier
         ro.payload_fn = lambda: self._next_payload
 
@@ -258,6 +261,10 @@ class ProtectedTraining:
         self.session.heartbeat(self.optimizer.iteration, "update")
         self.optimizer.step()
         self.session.heartbeat(self.optimizer.iteration - 1, "done")
+        if not self._first_done:  # the agent closes a recovery's books on this
+            self._first_done = True
+            self.session.store.set(keys.FIRST_DONE.format(gen=self.session.env.generation, rank=self.session.rank),
+                                   str(time.time()))
 
     def finish(self) -> None:
         if dist.is_initialized():
@@ -267,7 +274,12 @@ class ProtectedTraining:
 
 class FaultInjector:
     """Faults from ``LETO_FAULTS`` (tests, benchmarks, demo): a real SIGKILL of this process at
-    a named point of a given iteration on a given rank. Each fault fires once per job."""
+    a named point of a given iteration on a given rank. Each fault fires once per job.
+
+    A fault is ``{"id", "rank", "point", "iteration" (omit: any), "occurrence" (default 1),
+    "action": "kill" (default) | "exit", "code", "wait_shadows" (strike only once the shadow set
+    is ready: the steady state of a long job)}``.
+    """
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -284,10 +296,16 @@ class FaultInjector:
             return
         it = self.session._iteration
         for f in self.pending:
-            if f["point"] == name and f["iteration"] == it:
+            if f["point"] == name and f.get("iteration", it) == it:
                 n = self.counts[f["id"]] = self.counts.get(f["id"], 0) + 1
-                if n == f.get("occurrence", 1):
-                    self.session.store.set(keys.FAULT_FIRED.format(id=f["id"]), str(time.time()))
+                fired = keys.FAULT_FIRED.format(id=f["id"])
+                if n == f.get("occurrence", 1) and not self.session.store.check([fired]):
+                    if f.get("wait_shadows"):  # steady state: strike once a shadow set is ready
+                        while not self.session.store.get(keys.SHADOWS_READY):
+                            time.sleep(0.05)
+                    self.session.store.set(fired, str(time.time()))
+                    if f.get("action", "kill") == "exit":  # e.g. an exit code declared non-HOF
+                        os._exit(int(f.get("code", 1)))
                     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,123 @@
+"""Real processes, real signals, gloo on CPU, 2 ranks: the runtime's must-shows (issue 3)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from .harness import finish, run, same_state, start, wait_for
+
+ITERATIONS = 50
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free run every faulty run must match bit for bit."""
+    result = run(tmp_path_factory.mktemp("reference"), ITERATIONS)
+    assert result.returncode == 0, result.output[-3000:]
+    assert not result.of("failure_detected")
+    return result
+
+
+def _hof_faults(seed: int) -> list[dict]:
+    """Six HOFs at seeded random occurrences of the required kinds of point."""
+    rng = random.Random(seed)
+    plan = [  # (ranks, point, iteration window)
+        ([0], "compute.begin", (2, 4)),
+        ([1], "chunk.math_done", (10, 12)),  # mid-update
+        ([0], "chunk.tier1_partial", (18, 20)),  # mid-parity-update
+        ([1], "record.half_written", (26, 28)),  # during a progress-record write
+        ([0, 1], "chunk.tier2_partial", (34, 36)),  # both ranks at once
+        ([1], "chunk.committed", (42, 44)),
+    ]  # each strikes once a fresh shadow set is ready ("wait_shadows"): a long job's steady state
+    faults = []
+    for ranks, point, (lo, hi) in plan:
+        most = {"compute.begin": 1, "record.half_written": 2}.get(point, 4)  # how often it occurs per iteration
+        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
+        for r in ranks:
+            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
+                           "wait_shadows": True})
+    return faults
+
+
+def test_hofs_at_random_points_end_bit_identical(tmp_path, reference):
+    faults = _hof_faults(seed=int(os.environ.get("LETO_SEED", "0")))
+    result = run(tmp_path, ITERATIONS, faults=faults)
+    assert result.returncode == 0, result.output[-3000:]
+    finished = [e for e in result.of("recovery_finished") if not e.get("interrupted")]
+    assert len(finished) >= 5, [e["event"] for e in result.events]
+    assert all(e["promoted"] == "shadow" for e in finished), [e["promoted"] for e in finished]
+    assert all(e["first_iteration_s"] >= 0 for e in finished)
+    assert all(e["breakdown"]["recompute"] >= 0 for e in finished)
+    for e in result.of("failure_detected"):
+        assert e["signal"] == signal.SIGKILL
+    for e in finished:  # at most one iteration recomputed per HOF
+        assert e["resume_iteration"] >= e["failed_iteration"]
+    assert not result.of("fallback_checkpoint"), "a HOF must never take the checkpoint path"
+    for r in range(2):
+        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert result.losses(r) == reference.losses(r)
+
+
+def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
+    proc = start(tmp_path, ITERATIONS, extra=["--heartbeat-timeout", "3"], script_args=["--sleep", "0.15"])
+    try:
+        events = lambda: list(_events(tmp_path))
+        wait_for(lambda: any(e["event"] == "process_started" and e["role"] == "shadow" for e in events())
+                 and os.path.exists(tmp_path / "loss_rank1.jsonl")
+                 and sum(1 for _ in open(tmp_path / "loss_rank1.jsonl")) >= 8, 120, "training to get going")
+        shadow = next(e["pid"] for e in events() if e["event"] == "process_started" and e["role"] == "shadow")
+        os.kill(shadow, signal.SIGKILL)  # a waiting shadow dies: it must be replaced
+        wait_for(lambda: any(e["event"] == "shadow_failed" for e in events()), 30, "shadow replacement")
+        wait_for(lambda: any(e["event"] == "shadow_level" and e["shadow_set"] >= 2 for e in events()), 30,
+                 "the new shadow set")
+        active = [e["pid"] for e in events() if e["event"] == "process_started" and e["role"] == "active"][-1]
+        os.kill(active, signal.SIGSTOP)  # a hang
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    result = finish(proc, tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    hang = [e for e in result.of("failure_detected") if e["hang"]]
+    assert len(hang) == 1 and hang[0]["pid"] == active
+    stopped_at = max(e["time"] for e in result.of("shadow_level") if e["shadow_set"] >= 2)
+    assert hang[0]["time"] - stopped_at < 3 + 10  # within the timeout (+ slack for a loaded machine)
+    assert len(result.of("recovery_finished")) == 1
+    for r in range(2):
+        assert same_state(result.final_state(r), reference.final_state(r)) == []
+
+
+def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, reference):
+    faults = [{"id": 0, "rank": 0, "iteration": 6, "point": "chunk.math_done", "occurrence": 2},
+              {"id": 1, "rank": 1, "point": "promotion.resume"}]  # the promoted shadow of rank 1 dies
+    result = run(tmp_path, ITERATIONS, faults=faults)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.of("recovery_failed")) == 1
+    gens = [e["generation"] for e in result.of("recovery_started")]
+    assert gens == [1, 2]
+    assert result.of("recovery_finished")[-1]["generation"] == 2
+    for r in range(2):
+        assert same_state(result.final_state(r), reference.final_state(r)) == []
+
+
+def test_non_hof_failure_takes_the_checkpoint_path(tmp_path, reference):
+    faults = [{"id": 0, "rank": 1, "iteration": 23, "point": "compute.begin", "action": "exit", "code": 43}]
+    result = run(tmp_path, ITERATIONS, faults=faults, extra=["--non-hof-exit-code", "43"])
+    assert result.returncode == 0, result.output[-3000:]
+    (verdict,) = result.of("classification")
+    assert verdict["hof"] is False and "43" in verdict["reason"]
+    (fallback,) = result.of("fallback_checkpoint")
+    assert "non-HOF" in fallback["reason"]
+    assert "restarting from the last checkpoint" in result.output
+    for r in range(2):
+        assert same_state(result.final_state(r), reference.final_state(r)) == []
+
+
+def _events(run_dir):
+    from leto_lightning.runtime.events import iter_events
+
+    return iter_events(run_dir)
