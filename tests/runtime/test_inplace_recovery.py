@@ -121,3 +121,26 @@ def _events(run_dir):
     from leto_lightning.runtime.events import iter_events
 
     return iter_events(run_dir)
+
+
+def test_level1_shadow_builds_after_promotion(tmp_path, reference):
+    """L1: the shadow holds only the interpreter and imports; it builds everything once promoted."""
+    faults = [{"id": 0, "rank": 1, "iteration": 9, "point": "chunk.math_done", "occurrence": 1, "wait_shadows": True}]
+    result = run(tmp_path, ITERATIONS, faults=faults, extra=["--shadow-level", "1"])
+    assert result.returncode == 0, result.output[-3000:]
+    (done,) = result.of("recovery_finished")
+    assert done["promoted"] == "shadow" and done["breakdown"]["init"] > 0
+    assert {e["level"] for e in result.of("shadow_level")} == {1}
+    for r in range(2):
+        assert same_state(result.final_state(r), reference.final_state(r)) == []
+
+
+def test_failure_budget_stops_cleanly(tmp_path):
+    faults = [{"id": 0, "rank": 0, "iteration": 12, "point": "chunk.math_done", "wait_shadows": True},
+              {"id": 1, "rank": 1, "iteration": 15, "point": "compute.begin", "wait_shadows": True}]
+    result = run(tmp_path, ITERATIONS, faults=faults, extra=["--max-failures", "1"])
+    assert result.returncode == 3, result.output[-3000:]
+    (stopped,) = result.of("job_stopped")
+    assert "exceed the budget of 1" in stopped["reason"] and "checkpoint" in stopped["reason"]
+    assert "job stopped" in result.output
+    assert (tmp_path / "checkpoints" / "rank0.pt").exists()  # the last checkpoint is intact

@@ -1,0 +1,49 @@
+"""Failure classification and runtime configuration."""
+
+import signal
+
+import pytest
+
+from leto_lightning.runtime.classify import DeviceHealth, Failure, classify, device_health
+from leto_lightning.runtime.config import ClassificationRule, RuntimeConfig
+
+OK = DeviceHealth(True, "test: operable")
+
+
+@pytest.mark.parametrize("failure,hof,needle", [
+    (Failure(0, 1, signal=signal.SIGKILL), True, "killed"),
+    (Failure(0, 1, signal=signal.SIGSEGV), True, "crashed"),
+    (Failure(0, 1, hang=True), True, "hang"),
+    (Failure(0, 1, exit_code=1, exception="RuntimeError: CUDA error: an illegal memory access"), True, "contained"),
+    (Failure(0, 1, exit_code=1, exception="RuntimeError: the GPU is lost"), False, "device lost"),
+    (Failure(0, 1, exit_code=1, exception="ValueError: bad batch"), True, "exception"),
+])
+def test_default_table(failure, hof, needle):
+    verdict = classify(failure, RuntimeConfig(), OK)
+    assert verdict.hof is hof and needle in verdict.reason
+
+
+def test_inoperable_device_is_never_a_hof():
+    verdict = classify(Failure(0, 1, signal=signal.SIGKILL), RuntimeConfig(), DeviceHealth(False, "NVML: no answer"))
+    assert not verdict.hof and "NVML" in verdict.reason
+
+
+def test_extra_rules_come_first():
+    cfg = RuntimeConfig(extra_rules=(ClassificationRule(False, "exit 43 means Xid 79", exit_code=43),))
+    assert not classify(Failure(0, 1, exit_code=43), cfg, OK).hof
+    assert classify(Failure(0, 1, exit_code=44), cfg, OK).hof  # unknown: unknown_is_hof
+
+
+def test_no_nvml_means_cpu_job_not_an_error():
+    health = device_health(0)
+    assert health.operable  # this machine has no NVIDIA device
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(heartbeat_timeout=0), "heartbeat_timeout=0"),
+    (dict(max_failures=0), "max_failures=0"),
+    (dict(shadow_level=4), "shadow_level=4"),
+])
+def test_bad_runtime_settings(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        RuntimeConfig(**kwargs)
