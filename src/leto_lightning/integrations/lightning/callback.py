@@ -1,0 +1,75 @@
+"""``LetoLoopStateCallback``: keeps the retained progress record's resume payload current.
+
+The optimizer-step transaction records a payload at *prepare* (``resume.capture(kind=
+"prepare")``, finished on resume by ``resume.finish_batch``). This callback re-records, for
+the same committed iteration, a payload captured where Lightning itself would checkpoint:
+
+- ``on_train_batch_end`` of a batch whose optimizer step committed: the exact state inside that
+  hook, including what earlier callbacks did in it (e.g. ``ModelCheckpoint``'s
+  ``every_n_train_steps`` save) -- this callback runs last;
+- ``on_validation_end`` inside ``fit``, when no gradient-accumulation micro-batch ran since the
+  last committed step: the state after validation (``ModelCheckpoint``/``EarlyStopping``
+  updates, the RNG after the validation loader), where ``ModelCheckpoint`` saves by default.
+
+Why never after a micro-batch without a step: its gradients sit unprotected in retained
+memory; resuming after it would build on gradients a crash may have torn. Resuming from the
+last committed step recomputes the micro-batch instead.
+
+``LetoStrategy`` attaches one automatically (last in ``trainer.callbacks``); adding it
+yourself is allowed, the strategy moves it to the end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+
+from .resume import capture
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .strategy import LetoStrategy
+
+
+class LetoLoopStateCallback(Callback):
+    """Re-records the resume payload at the points Lightning can resume from (module doc)."""
+
+    def __init__(self) -> None:
+        self._strategy: "LetoStrategy | None" = None
+        self.records = 0  # payloads this callback wrote (observability, tests)
+
+    def attach(self, strategy: "LetoStrategy") -> None:
+        self._strategy = strategy
+
+    @property
+    def state_key(self) -> str:
+        return "LetoLoopStateCallback"
+
+    def payload_at_prepare(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """The transaction's ``payload_fn``: called at prepare, inside the optimizer step."""
+        return capture(trainer, "prepare")
+
+    # -- hooks ---------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        strategy = self._strategy
+        if strategy is None or not strategy.retained_active:
+            return
+        if strategy.stepped_in_batch:
+            strategy.record_payload(capture(trainer, "batch_end"))
+            self.records += 1
+            strategy.clean_since_step = True
+        else:
+            strategy.clean_since_step = False  # an accumulation micro-batch: keep the last record
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        strategy = self._strategy
+        if strategy is None or not strategy.retained_active:
+            return
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if strategy.clean_since_step and strategy.committed_any:
+            strategy.record_payload(capture(trainer, "validation_end"))
+            self.records += 1

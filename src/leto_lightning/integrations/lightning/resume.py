@@ -1,0 +1,205 @@
+"""The resume payload: what Lightning needs, besides retained tensors, to continue exactly.
+
+A payload is captured at one of these moments and recorded in the retained progress record:
+
+- ``"start"``:  ``on_train_start`` of a fresh run (nothing committed yet);
+- ``"prepare"``: inside the optimizer step, when the transaction prepares iteration *t*;
+- ``"batch_end"``: ``on_train_batch_end`` of the batch that committed *t*;
+- ``"validation_end"``: after a validation run inside ``fit`` that followed a committed step.
+
+Every kind resumes at a point Lightning's own restart logic handles, the same points where
+``ModelCheckpoint`` saves. ``"prepare"`` is the one that needs care: the transaction records
+the payload at prepare, *before* Lightning finishes the batch, so a resume after *t* commits
+must first finish the batch the way Lightning would have (``finish_batch``): the optimizer-step
+and batch counters move to "processed", and the LR schedulers due at this batch are stepped
+through the module's own ``lr_scheduler_step``. The result is the state Lightning holds inside
+``on_train_batch_end`` of that batch (checked in tests/lightning/test_loop_state.py against a
+capture taken there). Capturing at ``on_train_batch_end`` alone would not do: by then the
+update is committed and a crash between the two would resume *before* a batch whose update is
+already applied -- it would be applied twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer import call
+
+from ...updater.retained_optimizer import hyperparameters
+
+PAYLOAD_VERSION = 1
+KINDS = ("start", "prepare", "batch_end", "validation_end")
+_STEP_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
+
+
+# -- random state ----------------------------------------------------------------------------
+def rng_states() -> dict[str, Any]:
+    """torch (CPU, and CUDA when initialised), Python and NumPy generators."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        states["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        import numpy as np
+
+        np.random.set_state(states["numpy"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# -- capture ---------------------------------------------------------------------------------
+def non_parameter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers and extra state (e.g. BatchNorm statistics): not retained, so copied."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+            for k, v in module.state_dict().items() if k not in params}
+
+
+def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
+    """Everything outside retained memory that the resumed trainer needs (see module doc)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown payload kind {kind!r}")
+    module = trainer.lightning_module
+    payload: dict[str, Any] = {
+        "version": PAYLOAD_VERSION,
+        "kind": kind,
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "rng": rng_states(),
+        "param_groups": [hyperparameters(opt) for opt in trainer.optimizers],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "callbacks": call._call_callbacks_state_dict(trainer),
+        "precision": trainer.precision_plugin.state_dict(),
+        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
+        "buffers": non_parameter_state(module),
+        "loops": None if kind == "start" else {"fit_loop": trainer.fit_loop.state_dict()},
+        "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
+    }
+    return payload
+
+
+def schedulers_due(trainer: "pl.Trainer") -> list[int]:
+    """Indices of the LR schedulers Lightning steps after this batch's optimizer step.
+
+    Mirrors ``_TrainingEpochLoop.update_lr_schedulers`` as called from ``advance``: step-interval
+    schedulers whose frequency divides the batch count, then -- at the epoch's last batch --
+    epoch-interval ones whose frequency divides the epoch count. Plateau schedulers are not
+    stepped there (and LetoStrategy rejects them).
+    """
+    loop = trainer.fit_loop.epoch_loop
+    configs = trainer.lr_scheduler_configs
+    batch = loop.batch_idx + 1
+    due = [i for i, c in enumerate(configs) if not c.reduce_on_plateau and c.interval == "step"
+           and batch % c.frequency == 0]
+    if loop._num_ready_batches_reached():
+        epoch = trainer.current_epoch + 1
+        due += [i for i, c in enumerate(configs) if not c.reduce_on_plateau and c.interval == "epoch"
+                and epoch % c.frequency == 0]
+    return due
+
+
+# -- resume ----------------------------------------------------------------------------------
+def _bump(progress: dict, *fields: str) -> None:
+    for scope in ("total", "current"):
+        for f in fields:
+            progress[scope][f] += 1
+
+
+def finish_batch(trainer: "pl.Trainer", payload: dict[str, Any]) -> dict[str, Any]:
+    """A ``"prepare"`` payload turned into the state inside ``on_train_batch_end`` of its batch.
+
+    Steps the real schedulers (they exist: LetoStrategy restores after ``setup``), so a
+    user-overridden ``lr_scheduler_step`` is honoured; returns a new payload.
+    """
+    out = copy.deepcopy({k: v for k, v in payload.items() if k != "rng"})
+    out["rng"] = payload["rng"]
+    fit = out["loops"]["fit_loop"]
+    _bump(fit[_STEP_PROGRESS]["optimizer"]["step"], "completed")
+    _bump(fit["epoch_loop.batch_progress"], "processed")
+    if out["due_schedulers"]:
+        optimizer = trainer.optimizers[0]
+        apply_param_groups(optimizer, out["param_groups"][0])
+        configs = trainer.lr_scheduler_configs
+        for config, state in zip(configs, out["lr_schedulers"]):
+            config.scheduler.load_state_dict(state)
+        optimizer._opt_called = True  # the step did happen (torch warns otherwise)
+        for i in out["due_schedulers"]:
+            trainer.lightning_module.lr_scheduler_step(configs[i].scheduler, None)
+            _bump(fit["epoch_loop.scheduler_progress"], "ready", "completed")
+        out["lr_schedulers"] = [c.scheduler.state_dict() for c in configs]
+        out["param_groups"] = [hyperparameters(optimizer)]
+    out["kind"], out["due_schedulers"], out["global_step"] = "batch_end", [], payload["global_step"] + 1
+    return out
+
+
+def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """Set the hyper-parameters (lr, betas, ...) of ``optimizer``'s groups; never its params."""
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(f"the optimizer has {len(optimizer.param_groups)} param groups, the retained record "
+                           f"{len(groups)}: configure_optimizers must build the same groups as the run being resumed")
+    for group, values in zip(optimizer.param_groups, groups):
+        for key, value in values.items():
+            if key == "params" or key.startswith("_leto"):
+                continue
+            current = group.get(key)
+            if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
+                current.fill_(value)
+            else:
+                group[key] = value
+
+
+def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> dict[str, Any]:
+    """The in-memory checkpoint ``LetoStrategy.load_checkpoint`` hands Lightning.
+
+    Parameters and optimizer state are the retained views themselves (already adopted), so
+    Lightning's loading copies nothing; everything else comes from the payload.
+    """
+    if payload is not None and payload.get("version") != PAYLOAD_VERSION:
+        raise RuntimeError(f"retained resume payload version {payload.get('version')!r}; this leto_lightning "
+                           f"writes version {PAYLOAD_VERSION}: resume with the version that wrote it")
+    if payload is not None and payload["kind"] == "prepare":
+        payload = finish_batch(trainer, payload)
+    module = trainer.lightning_module
+    state_dict = module.state_dict()
+    optimizer = trainer.optimizers[0]
+    opt_state = optimizer.state_dict()
+    ckpt: dict[str, Any] = {
+        "pytorch-lightning_version": pl.__version__,
+        "epoch": trainer.current_epoch if payload is None else payload["epoch"],
+        "global_step": trainer.global_step if payload is None else payload["global_step"],
+        "state_dict": state_dict,
+        "optimizer_states": [opt_state],
+        "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "leto": {"kind": None if payload is None else payload["kind"]},
+    }
+    if payload is None:
+        return ckpt
+    state_dict.update(payload["buffers"])
+    opt_state["param_groups"] = [dict(g, **{k: v for k, v in h.items() if not k.startswith("_leto")})
+                                 for g, h in zip(opt_state["param_groups"], payload["param_groups"][0])]
+    ckpt["lr_schedulers"] = payload["lr_schedulers"]
+    ckpt["callbacks"] = payload["callbacks"]
+    if payload["loops"] is not None:
+        ckpt["loops"] = payload["loops"]
+    if payload["precision"]:
+        ckpt[type(trainer.precision_plugin).__qualname__] = payload["precision"]
+    if payload["datamodule"] is not None and trainer.datamodule is not None:
+        ckpt[type(trainer.datamodule).__qualname__] = payload["datamodule"]
+    ckpt["leto"]["rng"] = payload["rng"]
+    return ckpt

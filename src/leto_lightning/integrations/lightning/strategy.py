@@ -1,0 +1,352 @@
+"""``LetoStrategy``: Lightning DDP whose optimizer state lives in retained memory.
+
+What it changes in ``DDPStrategy`` (each measured against Lightning 2.6.6; see
+docs/lightning.md):
+
+- ``configure_ddp`` -- after ``model_to_device``, *before* the DDP wrap: create the optimizer,
+  create (or, resuming, attach) the rank's ``RetainedStore`` and bind parameters, gradients and
+  optimizer state to views into it. DDP then broadcasts into and reduces into retained memory.
+- ``optimizer_step`` -- the precision plugin steps a proxy (``proxy.py``) whose ``step(closure)``
+  runs the closure, then the chunk transactions; the real ``optimizer.step`` (wrapped by LR
+  schedulers) is never replaced.
+- ``process_dataloader`` -- the training loader becomes a ``ResumableDataLoader``.
+- ``load_checkpoint("leto://retained")`` -- an in-memory checkpoint built from the store and its
+  resume payload (``resume.py``); restore runs after ``setup`` so the store is already bound.
+- launcher -- never starts processes (Lightning's launcher kills every rank when one dies);
+  turns ``LETO_RESUME=retained`` into ``ckpt_path="leto://retained"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ...retained.config import RetainedConfig
+from ...retained.shm import new_job_id
+from ...retained.store import RetainedStore, StoreSpec
+from ...updater.retained_optimizer import RetainedOptimizer, layout_for, optimizer_family
+from ...updater.transaction import COMMITTED
+from .callback import LetoLoopStateCallback
+from .data import ResumableDataLoader
+from .options import RETAINED_CKPT, LetoRuntimeOptions
+from .proxy import proxy_for, real_optimizer
+from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
+
+_RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
+_PRECISIONS = ("32-true", "bf16-mixed")
+STRATEGY_NAME = "leto"
+
+
+class LetoStrategy(DDPStrategy):
+    """DDP with retained optimizer state and crash-consistent updates (module doc).
+
+    Retained-memory options (``page_bytes``, ``chunk_pages``, ``data_pages``, ``tier1_parity``,
+    ``tier2_parity``, ... -- every ``RetainedConfig`` field) may be given one by one or as
+    ``retained=RetainedConfig(...)``; runtime options are ``LetoRuntimeOptions``'s. Both are
+    validated here. Other keyword arguments go to ``DDPStrategy``.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, *, retained: RetainedConfig | None = None, job_id: str | None = None,
+                 resume: str | None = None, shadow_level: int | str = 3, heartbeat_interval: float = 1.0,
+                 heartbeat_timeout: float = 60.0, **kwargs: Any) -> None:
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _RETAINED_FIELDS}
+        if retained is not None and fields:
+            raise ValueError(f"pass retained=RetainedConfig(...) or {sorted(fields)}, not both")
+        self.retained_config = retained if retained is not None else RetainedConfig(**fields)
+        self.leto_options = LetoRuntimeOptions(job_id, resume, LetoRuntimeOptions.parse_level(shadow_level),
+                                               heartbeat_interval, heartbeat_timeout)
+        _reject_ddp_options(kwargs)
+        super().__init__(**kwargs)
+        self.loop_state = LetoLoopStateCallback()
+        self.loop_state.attach(self)
+        self.retained: RetainedOptimizer | None = None
+        self.job_id: str | None = None
+        self.stepped_in_batch = False
+        self.clean_since_step = False
+        self._proxy: torch.optim.Optimizer | None = None
+        self._resume_next_fit = False
+        self._env_resume_used = False
+        self._resume_payload: Any = None
+        self._resumed = False
+        self._pending_rng: dict | None = None
+        self._optimizers_ready = False
+        self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
+
+    # -- registration ----------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"leto"`` once; the inherited method would re-register every ``ddp*`` name."""
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="Leto: DDP with retained optimizer state and in-place recovery")
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # build the retained checkpoint once the store is bound
+
+    @property
+    def retained_active(self) -> bool:
+        return self.retained is not None
+
+    @property
+    def committed_any(self) -> bool:
+        return self.retained is not None and self.retained.iteration > 0
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _LetoLauncher(self)
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            _check_trainer(self, trainer)
+            if self.loop_state in trainer.callbacks:
+                trainer.callbacks.remove(self.loop_state)
+            trainer.callbacks.append(self.loop_state)  # last: sees what the other callbacks did
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        """Bind to retained memory before the DDP wrap (DDP then broadcasts into the views)."""
+        trainer = self.lightning_module.trainer
+        super().setup_optimizers(trainer)
+        self._optimizers_ready = True
+        self._bind_retained(trainer)
+        super().configure_ddp()
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        if self._optimizers_ready:  # created in configure_ddp, before the wrap
+            self._optimizers_ready = False
+            return
+        super().setup_optimizers(trainer)
+
+    def _bind_retained(self, trainer: "pl.Trainer") -> None:
+        optimizer = _the_optimizer(self, trainer)
+        self.job_id = self.leto_options.resolved_job_id() or self.job_id or new_job_id()
+        payload_fn: Callable[[], Any] = lambda: self.loop_state.payload_at_prepare(trainer)
+        module = self.lightning_module
+        if self._resume_next_fit:
+            store = RetainedStore.attach(self.job_id, self.global_rank)
+            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
+            ro.bind(adopt=True, resume=False)
+            self._resume_payload = ro.resume()
+            self._resumed = True
+        else:
+            config = self.retained_config
+            config.check_devices(self.num_processes)
+            names = {p: n for n, p in module.named_parameters()}
+            spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
+                             layout_for(optimizer, config, names), config)
+            store = _create_store(spec)
+            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
+            ro.bind(adopt=False)
+            self._resumed = False
+        optimizer.zero_grad = ro.zero_grad  # in place: the gradients stay retained views
+        self.retained = ro
+        self._proxy = proxy_for(optimizer, self._retained_step)
+
+    def _prepare_barrier(self) -> Optional[Callable[[], None]]:
+        """No chunk of an iteration commits before every rank prepared it (DESIGN.md 2.3)."""
+        if self.world_size <= 1:
+            return None
+        return lambda: torch.distributed.barrier()
+
+    # -- the step ----------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+                       model: Any = None, **kwargs: Any) -> Any:
+        ro = self.retained
+        if ro is None or real_optimizer(optimizer) is not ro.optimizer:
+            raise RuntimeError("LetoStrategy: this optimizer is not bound to retained memory (created outside "
+                               "configure_optimizers?); it would train without protection")
+        return super().optimizer_step(self._proxy, closure, model, **kwargs)
+
+    def _retained_step(self, closure: Callable | None) -> Any:
+        """The proxy's ``step``: closure (forward, backward, clipping), then the transactions."""
+        assert self.retained is not None
+        loss = self.retained.step(closure)
+        self.retained.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
+        self.stepped_in_batch = True
+        return loss
+
+    def record_payload(self, payload: Any) -> None:
+        """Replace the resume payload of the last committed iteration (same iteration, newer
+        payload; the record's two slots keep the previous one until this write is complete)."""
+        ro = self.retained
+        assert ro is not None
+        ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": payload})
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        if self._pending_rng is not None:
+            set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
+            self._pending_rng = None
+        if self.retained is not None and self.retained.iteration == 0:
+            self.record_payload(capture(self.lightning_module.trainer, "start"))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.stepped_in_batch = False
+        last = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        for loader in list(self._train_loaders):
+            loader.mark(batch_idx + 1, last)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self._lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        wrapped = ResumableDataLoader(dataloader)
+        if wrapped.unreplayable_order():
+            rank_zero_warn("LetoStrategy: the training DataLoader shuffles with an unseeded RandomSampler; a resume "
+                           "mid-epoch cannot replay its order. Pass DataLoader(generator=...) or keep "
+                           "use_distributed_sampler=True.")
+        self._train_loaders.add(wrapped)
+        return wrapped
+
+    # -- resume --------------------------------------------------------------------------------
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if str(checkpoint_path) != RETAINED_CKPT:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if not self._resumed or self.retained is None:
+            raise RuntimeError(f"ckpt_path={RETAINED_CKPT!r} resumes training from retained memory: use it with "
+                               "trainer.fit() on a Trainer with LetoStrategy")
+        ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
+        self._pending_rng = ckpt["leto"].get("rng")
+        return ckpt
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if "leto" not in checkpoint:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        # The state tensors are the retained views already: only hyper-parameters move.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            apply_param_groups(optimizer, state["param_groups"])
+
+    def teardown(self) -> None:
+        super().teardown()
+        self._proxy = None
+        self._resume_next_fit = False
+
+    def release(self, unlink: bool = False) -> None:
+        """Drop this process's mappings; ``unlink=True`` also frees the job's retained memory
+        (only when no shadow or agent will need it any more)."""
+        if self.retained is not None:
+            store = self.retained.store
+            if unlink:
+                store.unlink()
+            store.close()
+            self.retained = None
+
+    def _note_fit_args(self, ckpt_path: Any) -> Any:
+        """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
+        continues from retained memory; returns the ckpt_path Lightning should see."""
+        if ckpt_path is None and self.leto_options.resume_requested() and not self._env_resume_used:
+            self._env_resume_used = True  # a shadow's first fit; later fits start normally
+            ckpt_path = RETAINED_CKPT
+        if ckpt_path is not None and str(ckpt_path) != RETAINED_CKPT:
+            raise ValueError(f"ckpt_path={ckpt_path!r}: resuming a LetoStrategy run from a checkpoint file is not "
+                             "supported yet (its optimizer state would have to be re-bound to retained memory); "
+                             f"resume with ckpt_path={RETAINED_CKPT!r} or start without ckpt_path")
+        self._resume_next_fit = ckpt_path is not None
+        if self.retained is not None and not self._resume_next_fit:
+            self.release(unlink=True)  # a new fit in this process: a fresh store
+        return ckpt_path
+
+
+class _LetoLauncher(_Launcher):
+    """Runs the trainer function in this process; never spawns ranks (``leto launch`` does)."""
+
+    def __init__(self, strategy: LetoStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        strategy = self._strategy
+        env = strategy.cluster_environment
+        if strategy.num_processes * strategy.num_nodes > 1 and not (env and env.creates_processes_externally):
+            raise RuntimeError("LetoStrategy does not start ranks itself: Lightning's launcher kills every rank when "
+                               "one dies, which is what Leto recovers from. Start the script with `leto launch "
+                               "--nproc-per-node N script.py` (or another launcher that sets RANK/WORLD_SIZE).")
+        if getattr(function, "__name__", "") == "_fit_impl":
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            bound.arguments["ckpt_path"] = strategy._note_fit_args(bound.arguments.get("ckpt_path"))
+            args, kwargs = bound.args, bound.kwargs
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill: this launcher started no processes."""
+
+
+def _create_store(spec: StoreSpec) -> RetainedStore:
+    try:
+        return RetainedStore.create(spec)
+    except FileExistsError:
+        raise RuntimeError(
+            f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: continue from it with "
+            f"trainer.fit(ckpt_path={RETAINED_CKPT!r}) (or LETO_RESUME=retained), or free it with "
+            f"leto_lightning.retained.shm.unlink_segments({spec.job_id!r}) to start over") from None
+
+
+def _reject_ddp_options(kwargs: dict[str, Any]) -> None:
+    """DDP options that would change parameters or gradients outside retained memory."""
+    if kwargs.get("gradient_as_bucket_view"):
+        raise ValueError("gradient_as_bucket_view=True makes gradients views into DDP's buckets; LetoStrategy keeps "
+                         "them in retained memory -- leave it False")
+    if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
+        raise ValueError("post-local-SGD model averaging changes parameters outside the optimizer step, which "
+                         "retained transactions cannot protect; use plain DDP gradient averaging with LetoStrategy")
+    start = kwargs.pop("start_method", "popen")
+    if start != "popen":
+        raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
+
+
+def _check_trainer(strategy: LetoStrategy, trainer: "pl.Trainer") -> None:
+    """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
+    precision = strategy.precision_plugin
+    name = getattr(precision, "precision", None)
+    if type(precision) not in (Precision, MixedPrecision) or name not in _PRECISIONS:
+        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy yet: "
+                         f"use one of {_PRECISIONS}. 16-mixed: overflow steps skip the optimizer step and the grad "
+                         "scaler's state is not in the resume record; sharded precision plugins (FSDP, DeepSpeed) "
+                         "cannot be combined with a DDP strategy.")
+    if strategy.root_device.type != "cpu":
+        raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
+                         "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError("manual optimization is not supported by LetoStrategy yet: its optimizer step happens inside "
+                         "training_step, so there is no batch boundary to resume at; use automatic optimization")
+
+
+def _the_optimizer(strategy: LetoStrategy, trainer: "pl.Trainer") -> torch.optim.Optimizer:
+    """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
+    if len(strategy.optimizers) != 1:
+        raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
+                         f"{len(strategy.optimizers)}")
+    optimizer = strategy.optimizers[0]
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
+                         "-- use another optimizer with LetoStrategy")
+    if type(optimizer).__module__.startswith("torch.distributed"):
+        raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
+                         "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
+    optimizer_family(optimizer)  # raises for fused / capturable / differentiable
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau:
+            raise ValueError("ReduceLROnPlateau is not supported by LetoStrategy yet: the metric it monitors is not "
+                             "part of the resume record, so a resumed run could step it differently")
+    return optimizer

@@ -1,0 +1,154 @@
+"""A tiny, fully deterministic Lightning job for the integration tests.
+
+Dropout (global RNG), BatchNorm (buffers), a shuffling DistributedSampler (data position
+across epochs), clipping, accumulation, LR schedulers and validation: everything a resume
+has to restore shows up in the final weights if it is restored wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+VOCAB, DIM, SEQ = 23, 16, 6
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self, optimizer: str = "adamw", scheduler: bool = True, seed: int = 0,
+                 loss_file: str | None = None, step_frequency: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.norm = torch.nn.BatchNorm1d(DIM)
+        self.drop = torch.nn.Dropout(0.2)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+        self.optimizer_name = optimizer
+        self.use_scheduler = scheduler
+        self.loss_file = loss_file
+        self.step_frequency = step_frequency
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        h = self.norm(self.embed(x).flatten(0, 1))
+        logits = self.head(self.drop(torch.nn.functional.gelu(h)))
+        return torch.nn.functional.cross_entropy(logits, y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        if self.loss_file:
+            with open(self.loss_file, "a") as f:  # the first-hand series, flushed per batch
+                f.write(f"{self.current_epoch} {batch_idx} {loss.item().hex()}\n")
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+        else:
+            opt = {"rmsprop": torch.optim.RMSprop, "nadam": torch.optim.NAdam}[self.optimizer_name](
+                self.parameters(), lr=1e-2)
+        if not self.use_scheduler:
+            return opt
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
+        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return [opt], [{"scheduler": warm, "interval": "step", "frequency": self.step_frequency},
+                       {"scheduler": decay, "interval": "epoch", "frequency": 1}]
+
+
+def dataloaders(n: int = 40, batch: int = 4) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    ds = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+    val = TensorDataset(tokens[:8, :-1], tokens[:8, 1:])
+    return DataLoader(ds, batch_size=batch, sampler=sampler), DataLoader(val, batch_size=4)
+
+
+@dataclass
+class RunConfig:
+    optimizer: str = "adamw"
+    scheduler: bool = True
+    max_epochs: int = 3
+    accumulate: int = 2
+    clip: float | None = 0.5
+    precision: str = "32-true"
+    val_check_interval: Any = 1.0
+    strategy: Any = "auto"  # "auto" (single device), "leto", or a LetoStrategy
+    seed: int = 0
+    loss_file: str | None = None
+    ckpt_path: str | None = None
+    trainer_kwargs: dict = field(default_factory=dict)
+
+
+def trainer_for(cfg: RunConfig) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=cfg.strategy, accelerator="cpu", devices=1, max_epochs=cfg.max_epochs,
+        accumulate_grad_batches=cfg.accumulate, gradient_clip_val=cfg.clip, precision=cfg.precision,
+        val_check_interval=cfg.val_check_interval, limit_val_batches=2, num_sanity_val_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **cfg.trainer_kwargs)
+
+
+def fit(cfg: RunConfig) -> dict:
+    """Run one fit (in the calling process); returns copies of what the tests compare."""
+    torch.set_num_threads(1)
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    model = TinyModule(cfg.optimizer, cfg.scheduler, cfg.seed, cfg.loss_file)
+    trainer = trainer_for(cfg)
+    train, val = dataloaders()
+    torch.manual_seed(99)  # the RNG the run starts from (dropout draws from it)
+    trainer.fit(model, train, val, ckpt_path=cfg.ckpt_path)
+    return snapshot(trainer, model)
+
+
+def snapshot(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
+    opt = trainer.optimizers[0]
+    sd = opt.state_dict()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "state": {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                  for i, s in sd["state"].items()},
+        "lr": [g["lr"] for g in opt.param_groups],
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """What is not bit-identical (``torch.equal``) between two snapshots; empty when equal."""
+    out = [f"param {n}" for n in b["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    out += [f"buffer {n}" for n in b["buffers"] if not torch.equal(a["buffers"][n], b["buffers"][n])]
+    for i, s in b["state"].items():
+        for k, v in s.items():
+            got = a["state"].get(i, {}).get(k)
+            same = torch.equal(got, v) if isinstance(v, torch.Tensor) and isinstance(got, torch.Tensor) else got == v
+            if not same:
+                out.append(f"state {i}.{k}")
+    for key in ("lr", "global_step", "epoch"):
+        if a[key] != b[key]:
+            out.append(f"{key}: {a[key]} != {b[key]}")
+    if not torch.equal(a["rng"], b["rng"]):
+        out.append("torch RNG state")
+    return out
+
+
+def read_losses(path: str) -> dict[tuple[int, int], str]:
+    out: dict[tuple[int, int], str] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                epoch, idx, value = line.split()
+                out[(int(epoch), int(idx))] = value
+    return out

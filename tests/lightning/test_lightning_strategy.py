@@ -1,0 +1,160 @@
+"""LetoStrategy: registration, option validation, and the combinations it rejects (with what
+to do instead)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import StrategyRegistry
+
+from leto_lightning.faults.crash import ChildError, run_in_child
+from leto_lightning.integrations.lightning import LetoStrategy, register
+from leto_lightning.integrations.lightning.proxy import proxy_for, real_optimizer
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.retained.shm import list_segments
+
+from pl_job import RunConfig, TinyModule, dataloaders, fit, trainer_for
+
+
+def test_registered_once_and_idempotent() -> None:
+    assert "leto" in StrategyRegistry
+    register()
+    register()  # a second import / call must not raise "already present"
+    assert StrategyRegistry["leto"]["strategy"] is LetoStrategy
+    assert "ddp" in StrategyRegistry  # the inherited ddp* registrations are untouched
+
+
+def test_trainer_by_name_uses_env_job_id(job: str) -> None:
+    def child() -> dict:
+        os.environ["LETO_JOB_ID"] = job
+        out = fit(RunConfig(strategy="leto", max_epochs=1))
+        return {"step": out["global_step"], "segments": list_segments(f"leto-{job}-")}
+
+    out = run_in_child(child).value
+    assert out["step"] == 5
+    assert out["segments"], "the named strategy allocated no retained memory under LETO_JOB_ID"
+
+
+def test_options_build_retained_config() -> None:
+    s = LetoStrategy(page_bytes=4096, chunk_pages=2, data_pages=4, tier1_parity=2, tier2_parity=0,
+                     shadow_level="L2", heartbeat_interval=0.5, heartbeat_timeout=5.0, job_id="abc_1")
+    assert s.retained_config == RetainedConfig(page_bytes=4096, chunk_pages=2, data_pages=4, tier1_parity=2,
+                                               tier2_parity=0)
+    assert (s.leto_options.shadow_level, s.leto_options.job_id) == (2, "abc_1")
+    cfg = RetainedConfig(page_bytes=8192)
+    assert LetoStrategy(retained=cfg).retained_config is cfg
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(page_bytes=100), "multiple of 64"),
+    (dict(tier1_parity=9, data_pages=8), "exceeds data_pages"),
+    (dict(chunk_pages=0), "positive integer"),
+    (dict(shadow_level=4), "choose 1, 2 or 3"),
+    (dict(shadow_level="high"), "choose 1, 2 or 3"),
+    (dict(heartbeat_interval=1.0, heartbeat_timeout=2.0), "at least 3 heartbeat intervals"),
+    (dict(heartbeat_interval=0), "must be positive"),
+    (dict(job_id="my-job"), "letters, digits"),
+    (dict(resume="checkpoint"), "choose None"),
+    (dict(retained=RetainedConfig(), page_bytes=4096), "not both"),
+    (dict(gradient_as_bucket_view=True), "leave it False"),
+    (dict(model_averaging_period=4), "model averaging"),
+    (dict(start_method="spawn"), "leto launch"),
+])
+def test_bad_options_raise_when_built(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LetoStrategy(**kwargs)
+
+
+class _Manual(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _LBFGS(TinyModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class _Plateau(TinyModule):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                                   "monitor": "val_loss"}}
+
+
+class _Fused(TinyModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, capturable=True)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("manual", "manual optimization"),
+    ("lbfgs", "LBFGS"),
+    ("plateau", "ReduceLROnPlateau"),
+    ("fused", "capturable"),
+    ("bf16-true", "precision 'bf16-true'"),
+    ("devices", "does not start ranks"),
+    ("file", "checkpoint file is not supported"),
+])
+def test_rejected_at_setup_with_advice(case: str, message: str, job: str) -> None:
+    def child() -> None:
+        models = {"manual": _Manual, "lbfgs": _LBFGS, "plateau": _Plateau, "fused": _Fused}
+        model = models.get(case, TinyModule)()
+        kwargs = dict(accelerator="cpu", devices=2 if case == "devices" else 1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      max_epochs=1, precision="bf16-true" if case == "bf16-true" else "32-true")
+        trainer = pl.Trainer(strategy=LetoStrategy(job_id=job), **kwargs)
+        train, val = dataloaders()
+        trainer.fit(model, train, val, ckpt_path="last.ckpt" if case == "file" else None)
+
+    with pytest.raises(ChildError, match=message):
+        run_in_child(child)
+
+
+def test_existing_store_is_not_overwritten(job: str) -> None:
+    run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)))
+    with pytest.raises(ChildError, match="already exists: continue from it"):
+        run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)))
+
+
+def test_proxy_is_an_instance_of_the_optimizer_class() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    calls = []
+    proxy = proxy_for(opt, lambda closure: calls.append(closure) or "loss")
+    assert isinstance(proxy, torch.optim.AdamW) and type(proxy).__name__ == "LetoAdamW"
+    assert type(proxy_for(opt, lambda c: None)) is type(proxy)  # one class per optimizer class
+    assert proxy.param_groups is opt.param_groups and proxy.state is opt.state and proxy.defaults is opt.defaults
+    assert proxy.step(closure=None) == "loss" and calls == [None]
+    proxy.param_groups[0]["lr"] = 0.5
+    assert opt.param_groups[0]["lr"] == 0.5
+    proxy._opt_called = True  # attribute writes reach the real optimizer
+    assert opt._opt_called is True and real_optimizer(proxy) is opt
+    with pytest.raises(RuntimeError, match="configure_optimizers"):
+        proxy.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(TypeError, match="only the closure"):
+        proxy.step(None, foo=1)
+
+
+def test_lr_scheduler_keeps_its_step_wrapper(job: str) -> None:
+    """The proxy must not replace ``optimizer.step`` (schedulers wrap it on the instance) and
+    must set ``_opt_called`` (torch warns when a scheduler steps before its optimizer)."""
+    def child() -> tuple:
+        import warnings
+
+        trainer = trainer_for(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1))
+        model = TinyModule()
+        train, val = dataloaders()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, train, val)
+        opt = trainer.optimizers[0]
+        order = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+        return hasattr(opt.step, "_wrapped_by_lr_sched"), "step" not in type(opt).__dict__, order
+
+    wrapped, _, warned = run_in_child(child).value
+    assert wrapped and not warned
