@@ -4,6 +4,8 @@ to do instead)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import StrategyRegistry
 
 from leto_lightning.faults.crash import ChildError, run_in_child
-from leto_lightning.integrations.lightning import LetoStrategy, register
+from leto_lightning.integrations.lightning import LetoStrategy, _autoregister, register
 from leto_lightning.integrations.lightning.proxy import proxy_for, real_optimizer
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import list_segments
@@ -25,6 +27,43 @@ def test_registered_once_and_idempotent() -> None:
     register()  # a second import / call must not raise "already present"
     assert StrategyRegistry["leto"]["strategy"] is LetoStrategy
     assert "ddp" in StrategyRegistry  # the inherited ddp* registrations are untouched
+
+
+_LAZY = """
+import sys
+import leto_lightning.integrations.lightning
+assert "lightning.pytorch" not in sys.modules, "the integration imported Lightning eagerly"
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import StrategyRegistry
+assert "leto" in StrategyRegistry
+assert type(pl.Trainer(strategy="leto", accelerator="cpu", devices=1, logger=False).strategy).__name__ == "LetoStrategy"
+"""
+
+
+def test_registration_waits_for_lightning_import() -> None:
+    """A fresh interpreter: importing the integration does not import Lightning, and
+    ``Trainer(strategy="leto")`` works once Lightning is imported afterwards."""
+    result = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_after_import_hook(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "leto_fake_target"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_autoregister, "TARGET", "leto_fake_target")
+    seen = []
+    assert _autoregister.install(lambda: seen.append(sys.modules["leto_fake_target"].VALUE))
+    assert seen == []
+    import leto_fake_target  # noqa: F401
+
+    assert seen == [1]  # after the module executed
+    assert not any(isinstance(f, _autoregister._AfterImport) for f in sys.meta_path)
+    monkeypatch.delitem(sys.modules, "leto_fake_target")
+    monkeypatch.setattr(_autoregister.importlib.util, "find_spec", lambda name: None)
+    assert _autoregister.install(lambda: seen.append("again")) is False  # Lightning not installed
+    assert seen == [1]
 
 
 def test_trainer_by_name_uses_env_job_id(job: str) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -350,3 +350,6 @@ def _the_optimizer(strategy: LetoStrategy, trainer: "pl.Trainer") -> torch.optim
             raise ValueError("ReduceLROnPlateau is not supported by LetoStrategy yet: the metric it monitors is not "
                              "part of the resume record, so a resumed run could step it differently")
     return optimizer
+
+
+LetoStrategy.register_strategies(StrategyRegistry)  # idempotent; see __init__.register
