@@ -22,6 +22,9 @@ class RetainedConfig:
                   survives a damaged gradient page.
     record_bytes: capacity of one progress-record slot (two slots are kept).
     engine:       erasure engine: "auto" (ISA-L when available, else torch), "isal", "torch".
+    backend:      where the ``data`` and ``undo`` segments live: "cpu" (POSIX shared memory) or
+                  "cuda" (device memory owned by a state-manager process, opened through CUDA IPC;
+                  see docs/cuda-backend.md). Metadata and parity stay in host memory either way.
     """
 
     page_bytes: int = 1 * MiB
@@ -32,6 +35,7 @@ class RetainedConfig:
     protect_grads: bool = True
     record_bytes: int = 1 * MiB
     engine: str = "auto"
+    backend: str = "cpu"
 
     def __post_init__(self) -> None:
         _positive("page_bytes", self.page_bytes)
@@ -58,6 +62,8 @@ class RetainedConfig:
             )
         if self.engine not in ("auto", "isal", "torch"):
             raise ValueError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
+        if self.backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' (device memory)")
 
     def check_devices(self, n_devices: int) -> None:
         """Tier 2 spans the devices of a node: validate H2 against how many there are."""

@@ -11,11 +11,17 @@ Segments of one rank (CPU backend: POSIX shared memory, named ``leto-<job>-r<ran
 
 and one per node: ``leto-<job>-node<k>-parity2`` with the tier-2 stripes.
 
+With ``RetainedConfig(backend="cuda")`` the ``data`` and ``undo`` segments are device memory
+owned by a state-manager process and opened through CUDA IPC (``backends.cuda_ipc``): the views
+below are then CUDA tensors. Everything else stays in host shared memory (parity lives in host
+memory, DESIGN.md 2.2).
+
 The process that *creates* the segments owns them (the state manager); trainers attach.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import pickle
@@ -42,6 +48,7 @@ PHASE_NAMES = ("idle", "undo_saved", "math_done", "tier1_done", "tier2_done", "c
 UNDO_CHUNK, UNDO_VERSION, UNDO_NPAGES, UNDO_NPIECES, UNDO_CRCS = range(5)
 UNDO_WHOLE = -1  # UNDO_CHUNK value of a whole-state transaction (generic optimizers)
 FLAG_GENERIC_STATE_BOUND = 0  # flags word: the generic optimizer's lazily created state lives in the store
+DEVICE_SEGMENTS = ("data", "undo")  # what backend="cuda" puts in device memory
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class StoreSpec:
     n_local: int
     layout: StoreLayout
     config: RetainedConfig
+    device_manager: str = ""  # backend="cuda": address of the state manager holding data and undo
 
     def name(self, what: str) -> str:
         return segment_name(self.job_id, f"r{self.rank}", what)
@@ -125,10 +133,12 @@ class RetainedStore:
     @classmethod
     def create(cls, spec: StoreSpec) -> "RetainedStore":
         """Allocate every segment of ``spec.rank`` (the node's tier-2 segment too, for local rank 0)."""
+        if spec.config.backend == "cuda":
+            spec = _with_device_manager(spec)
         created: dict[str, SharedSegment] = {}
         try:
             for what, nbytes in spec.sizes().items():
-                created[what] = SharedSegment.create(spec.name(what), nbytes)
+                created[what] = _new_segment(spec, what, nbytes)
             blob = pickle.dumps(spec)
             created["spec"] = SharedSegment.create(spec.name("spec"), len(blob))
             created["spec"].tensor.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
@@ -138,6 +148,9 @@ class RetainedStore:
             for seg in created.values():
                 seg.close()
                 seg.unlink()
+            if spec.device_manager:
+                from .backends.cuda_ipc import stop_private
+                stop_private(spec.device_manager)
             raise
         return cls(spec, created)
 
@@ -147,7 +160,7 @@ class RetainedStore:
         spec: StoreSpec = pickle.loads(bytes(spec_seg.tensor.numpy()))
         segs = {"spec": spec_seg}
         for what in spec.sizes():
-            segs[what] = SharedSegment.attach(spec.name(what))
+            segs[what] = _open_segment(spec, what)
         if spec.tier2.enabled:
             segs["parity2"] = SharedSegment.attach(spec.node_name("parity2"))
         return cls(spec, segs)
@@ -181,7 +194,7 @@ class RetainedStore:
     def unlink(self) -> None:
         """Free this rank's retained memory (the node's tier-2 segment too)."""
         for seg in self.segments.values():
-            unlink_segment(seg.name)
+            seg.unlink()
         unlink_segment(self.spec.node_name("t2lock"))
 
     # -- views ---------------------------------------------------------------------------
@@ -262,3 +275,30 @@ def _create_or_attach(name: str, nbytes: int) -> SharedSegment:
         if seg.nbytes != nbytes:
             raise ValueError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B (layouts differ?)")
         return seg
+
+
+def _with_device_manager(spec: StoreSpec) -> StoreSpec:
+    """backend="cuda": fail early and clearly without CUDA, and record (in the spec every
+    attacher reads) which state manager holds the device memory."""
+    from .backends import cuda_ipc
+
+    cuda_ipc.require_cuda()
+    if spec.device_manager:
+        return spec
+    return dataclasses.replace(spec, device_manager=cuda_ipc.manager_for_new_store(f"{spec.job_id}-r{spec.rank}"))
+
+
+def _new_segment(spec: StoreSpec, what: str, nbytes: int):
+    if spec.config.backend == "cuda" and what in DEVICE_SEGMENTS:
+        from .backends.cuda_ipc import CudaSegment
+
+        return CudaSegment.create(spec.name(what), nbytes, spec.device_manager)
+    return SharedSegment.create(spec.name(what), nbytes)
+
+
+def _open_segment(spec: StoreSpec, what: str):
+    if spec.config.backend == "cuda" and what in DEVICE_SEGMENTS:
+        from .backends.cuda_ipc import CudaSegment
+
+        return CudaSegment.attach(spec.name(what), spec.device_manager)
+    return SharedSegment.attach(spec.name(what))

@@ -50,6 +50,18 @@ def to_i64(value: int) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
+def settle(tensor: torch.Tensor) -> None:
+    """Wait until the device has finished writing ``tensor`` (a no-op on CPU).
+
+    Why: marks in host memory (chunk phases, the undo header) take effect at once, while device
+    copies are only queued -- and a SIGKILLed process's queued work may never run. A mark must
+    not claim a copy the device has not finished. (Checksums read device pages back to the host,
+    which waits by itself, so commit marks need no extra wait.)
+    """
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 class ParityCodes:
     """The two Reed-Solomon codes of a store: tier 1 (D + H1) and tier 2 (devices + H2)."""
 
@@ -66,7 +78,7 @@ class ChunkTransactions:
         self.store = store
         self.layout = store.layout
         self.codes = codes or ParityCodes(store)
-        self._scratch = torch.empty(store.layout.page_bytes, dtype=torch.uint8)
+        self._scratch = torch.empty(store.layout.page_bytes, dtype=torch.uint8, device=store.pages.device)
 
     # -- the whole iteration -------------------------------------------------------------
     def run(
@@ -168,6 +180,7 @@ class ChunkTransactions:
             rng = lay.chunk_page_range(chunk, kind)
             undo[i : i + len(rng)].copy_(store.pages[rng.start : rng.stop])
             i += len(rng)
+        settle(undo)
         first, n_pieces = lay.chunk_first_piece[chunk], len(lay.chunk_pieces[chunk])
         head = store.undo_header
         head[UNDO_CRCS : UNDO_CRCS + len(pages)] = store.crcs[pages]

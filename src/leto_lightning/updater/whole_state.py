@@ -33,7 +33,7 @@ from ..retained.store import (
     UNDO_WHOLE,
     RetainedStore,
 )
-from .transaction import ChunkTransactions, ParityCodes, to_i64
+from .transaction import ChunkTransactions, ParityCodes, settle, to_i64
 from ..protection.checksum import checksum
 
 
@@ -133,6 +133,7 @@ class WholeStateTransactions(ChunkTransactions):
         tail["steps"].copy_(store.steps)
         tail["scalars"].copy_(store.scalars.flatten())
         tail["flags"].copy_(store.flags)
+        settle(undo)
         head = store.undo_header
         head[UNDO_NPAGES] = len(pages)
         head[UNDO_NPIECES] = lay.n_pieces
@@ -162,7 +163,7 @@ def restore_whole(store: RetainedStore) -> list[int]:
     for i, p in enumerate(pages):
         store.pages[p].copy_(undo[i])
     tail = whole_undo_tail(store)
-    store.crcs[pages] = tail["crcs"].clone()
+    store.crcs[pages] = tail["crcs"].to(store.crcs.device, copy=True)  # the tail is on the device with "cuda"
     store.steps.copy_(tail["steps"].float())
     store.scalars.copy_(tail["scalars"].float().view_as(store.scalars))
     store.flags.copy_(tail["flags"])  # e.g. "state adopted" set by the step being undone
