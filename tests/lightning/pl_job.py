@@ -91,12 +91,12 @@ class RunConfig:
 
 
 def trainer_for(cfg: RunConfig) -> pl.Trainer:
-    return pl.Trainer(
+    kwargs = dict(
         strategy=cfg.strategy, accelerator="cpu", devices=1, max_epochs=cfg.max_epochs,
         accumulate_grad_batches=cfg.accumulate, gradient_clip_val=cfg.clip, precision=cfg.precision,
         val_check_interval=cfg.val_check_interval, limit_val_batches=2, num_sanity_val_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        **cfg.trainer_kwargs)
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**kwargs, **cfg.trainer_kwargs})
 
 
 def fit(cfg: RunConfig) -> dict:
@@ -108,7 +108,28 @@ def fit(cfg: RunConfig) -> dict:
     train, val = dataloaders()
     torch.manual_seed(99)  # the RNG the run starts from (dropout draws from it)
     trainer.fit(model, train, val, ckpt_path=cfg.ckpt_path)
-    return snapshot(trainer, model)
+    out = snapshot(trainer, model)
+    out["callbacks"] = {type(c).__name__: callback_summary(c) for c in trainer.callbacks
+                        if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")}
+    return out
+
+
+def callback_summary(callback: pl.Callback) -> dict:
+    """A callback's state with paths reduced to file names (runs may use different dirs)."""
+    out = {}
+    for key, value in callback.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, str) and os.sep in value:
+            value = os.path.basename(value)
+        if isinstance(value, dict):
+            value = sorted((os.path.basename(k), float(v)) for k, v in value.items())
+        if key not in ("dirpath",):
+            out[key] = value
+    dirpath = getattr(callback, "dirpath", None)
+    if dirpath:
+        out["files"] = sorted(os.listdir(dirpath))
+    return out
 
 
 def snapshot(trainer: pl.Trainer, model: pl.LightningModule) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
@@ -113,3 +114,29 @@ def test_crash_in_the_last_update(reference, job: str, tmp_path) -> None:
     out = crash_and_resume(job, tmp_path, "adamw", KillPoint("chunk.math_done", 14 * CHUNKS + 3))
     assert out["resume_iteration"] == 15 and out["resume_losses"] == {}
     check(out, reference("adamw"), ignore_rng=True)
+
+
+def test_checkpoint_and_early_stopping_state_survive(job: str, jobs, tmp_path) -> None:
+    """ModelCheckpoint (top-k, every 3 steps, last) and EarlyStopping, validation twice per
+    epoch: after a crash mid-update, their state and the files on disk match an uninterrupted
+    Leto run (the callbacks' state is part of every resume payload)."""
+    def config(directory: str, strategy: LetoStrategy, **kw) -> RunConfig:
+        callbacks = [ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=2, every_n_train_steps=3,
+                                     save_last=True), EarlyStopping(monitor="val_loss", patience=50)]
+        return RunConfig(strategy=strategy, accumulate=1, val_check_interval=0.5,
+                         trainer_kwargs={"callbacks": callbacks, "enable_checkpointing": True}, **kw)
+
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref_job = jobs()  # made here: a job id made inside the child would escape the cleanup
+    ref = run_in_child(lambda: fit(config(ref_dir, _leto(ref_job)))).value
+    crashed = run_in_child(lambda: fit(config(run_dir, _leto(job))), kill_at=KillPoint("chunk.math_done", 13 * CHUNKS + 3))
+    assert crashed.killed
+
+    def resume() -> dict:
+        recover_node({0: RetainedStore.attach(job, 0)})
+        return fit(config(run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
+
+    got = run_in_child(resume).value
+    assert differences(got, ref) == []
+    assert got["callbacks"] == ref["callbacks"]
+    assert "last.ckpt" in got["callbacks"]["ModelCheckpoint"]["files"]
