@@ -39,8 +39,8 @@ class LaunchResult:
         return out
 
 
-def launch_args(run_dir: Path, iterations: int, faults=(), extra=(), script_args=()) -> list[str]:
-    return [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+def launch_args(run_dir: Path, iterations: int, faults=(), extra=(), script_args=(), nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
             "--faults", json.dumps(list(faults)), *extra, PLAIN_DDP, "--iterations", str(iterations), *script_args]
 
 
@@ -82,6 +82,14 @@ def assert_nothing_left(result: LaunchResult) -> None:
     ports = [e["port"] for e in result.of("job_started")]
     listening = _listening_ports()
     assert not set(ports) & listening, f"port still listening: {set(ports) & listening}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:

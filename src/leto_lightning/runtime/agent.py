@@ -67,7 +67,8 @@ class Agent(RecoveryMixin):
         self.out = out or sys.stdout
         self.events = EventLog(spec.run_dir)
         self.generation = 0
-        self.shadow_set = 0
+        self.shadow_set = ""  # "<generation>-<k>": derived from job-wide events, so equal on all nodes
+        self._replacements_seen = 0
         self.job_id = new_job_id()
         self.all_job_ids = [self.job_id]
         self.actives: dict[int, TrainerProcess] = {}
@@ -106,6 +107,7 @@ class Agent(RecoveryMixin):
             self._track_first_iteration()
             finished = self._finished()
             if finished is not None:
+                self._wait_other_nodes_done()
                 self.events.emit("job_finished", self.generation, exit_code=finished, recoveries=self.generation)
                 return finished
             failure = self._detect()
@@ -117,12 +119,23 @@ class Agent(RecoveryMixin):
             self._last_poll = time.time()
             time.sleep(self.config.poll_interval)
 
+    def _wait_other_nodes_done(self) -> None:
+        """Node 0 hosts the store: it stays up until every node's trainers finished."""
+        if self.spec.nnodes == 1:
+            return
+        self.store.set(f"done/{self.spec.node_rank}", "1")
+        if self.spec.node_rank == 0:
+            self.store.wait([f"done/{n}" for n in range(self.spec.nnodes)],
+                            timedelta(seconds=self.config.startup_timeout))
+
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
 
     # -- processes -------------------------------------------------------------------------
     def _start_store(self) -> None:
         s = self.spec
+        if s.nnodes > 1 and not s.master_port:
+            raise ValueError("a multi-node job needs --master-port (the same on every node)")
         self.store = dist.TCPStore(s.master_addr, s.master_port, world_size=None, is_master=(s.node_rank == 0),
                                    timeout=timedelta(seconds=60), wait_for_workers=False)
         self.port = self.store.port
@@ -155,18 +168,20 @@ class Agent(RecoveryMixin):
         self._heartbeats.clear()
         self.actives = {p.rank: p for p in (self._spawn(lr, "active", resume) for lr in range(self.spec.nproc_per_node))}
 
-    def _start_shadows(self) -> None:
+    def _start_shadows(self, replacement: int = 0) -> None:
         self.store.set(keys.SHADOWS_READY, "")
         if not self.config.shadows:
             return
-        self.shadow_set += 1
+        self.shadow_set = f"{self.generation}-{replacement}"
+        self._replacements_seen = replacement
         self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
         self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set, level=self.config.shadow_level,
                          reason="started")
 
     def _publish_shadow_readiness(self) -> None:
+        ranks = range(self.spec.world_size)  # a shadow set is one process group across all nodes
         if self.shadows and not self.store.get(keys.SHADOWS_READY) and all(
-                self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in self.shadows):
+                self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
             self.store.set(keys.SHADOWS_READY, str(self.shadow_set))
             self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set,
                              level=self.config.shadow_level, reason="ready")
@@ -207,6 +222,9 @@ class Agent(RecoveryMixin):
 
     def _detect(self) -> Failure | None:
         now = time.time()
+        remote = self._remote_failure()
+        if remote is not None:
+            return remote
         for p in self.actives.values():
             code = p.poll()
             if code is not None and code != 0:
@@ -226,6 +244,19 @@ class Agent(RecoveryMixin):
         f = Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
                     iteration=hb.get("it"), phase=hb.get("phase"), last_heartbeat=hb.get("t"), **how)
         return f
+
+    def _remote_failure(self) -> Failure | None:
+        """Another node's agent declared a failure of this generation: recover in lockstep."""
+        if self.spec.nnodes == 1:
+            return None
+        key = keys.FAILURE.format(gen=self.generation)
+        if not self.store.check([key]):
+            return None
+        verdict = json.loads(self.store.get(key))
+        if verdict["node"] == self.spec.node_rank:
+            return None
+        return Failure(rank=verdict["rank"], pid=None, role="remote", detected_at=time.time(),
+                       exception=f"on node {verdict['node']}: {verdict['reason']}", remote_verdict=verdict)
 
     def _last_heartbeat(self, rank: int) -> dict:
         raw = self.store.get(keys.HEARTBEAT.format(rank=rank))

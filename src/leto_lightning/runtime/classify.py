@@ -27,6 +27,7 @@ class Failure:
     phase: str | None = None
     detected_at: float = 0.0
     last_heartbeat: float | None = None
+    remote_verdict: dict | None = None  # set when another node's agent classified it
 
     def describe(self) -> str:
         if self.hang:

@@ -13,3 +13,6 @@ PG_PREFIX = "pg/{name}/"  # process-group namespace: "g0" for the first actives,
 STORE_READY = "stores/{job}/{rank}"  # the retained store of a rank exists and is encoded
 FIRST_DONE = "first/{gen}/{rank}"  # time the first iteration of a generation completed on a rank
 SHADOWS_READY = "shadows/ready"  # the shadow set that is ready to be promoted now ("" if none)
+FAILURE = "failure/{gen}"  # json {rank, hof, reason, node}: the job-wide verdict on generation gen's failure
+NODE_STEP = "node/{gen}/{step}/{node}"  # a node reached a lockstep point of a recovery (value: its data)
+SHADOW_REPLACE = "sreplace/{gen}"  # counter: shadow sets replaced in generation gen (all nodes follow)

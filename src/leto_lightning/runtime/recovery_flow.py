@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 from ..protection.errors import ProtectionError
 from ..retained.shm import new_job_id, unlink_segments
 from ..retained.store import RetainedStore
-from ..updater.recovery import recover_node
+from ..updater.recovery import local_agreement, recover_node
 from . import keys
 from .classify import Failure, classify, device_health
 
@@ -40,16 +41,42 @@ class RecoveryMixin:
                              role=failure.role, exit_code=failure.exit_code, signal=failure.signal,
                              exception=failure.exception, hang=failure.hang, phase=failure.phase,
                              iteration=failure.iteration)
-            local = failure.rank - self.spec.node_rank * self.spec.nproc_per_node
-            verdict = classify(failure, self.config, device_health(local))
-            self.events.emit("classification", self.generation, rank=failure.rank, hof=verdict.hof,
-                             reason=verdict.reason, device=verdict.device.source)
-            print(f"[leto] {failure.describe()}: {'HOF' if verdict.hof else 'not a HOF'} ({verdict.reason})",
+            verdict = self._job_verdict(failure)
+            self.events.emit("classification", self.generation, rank=failure.rank, hof=verdict["hof"],
+                             reason=verdict["reason"], device=verdict["device"], node=verdict["node"])
+            print(f"[leto] {failure.describe()}: {'HOF' if verdict['hof'] else 'not a HOF'} ({verdict['reason']})",
                   file=self.out, flush=True)
-            if verdict.hof:
+            if verdict["hof"]:
                 failure = self._recover_in_place(failure)
             else:
-                failure = self._restart_from_checkpoint(f"non-HOF failure: {verdict.reason}")
+                failure = self._restart_from_checkpoint(f"non-HOF failure: {verdict['reason']}")
+
+    def _job_verdict(self, failure: Failure) -> dict:
+        """Classify locally, then publish: the first node to publish decides for the whole job."""
+        if failure.remote_verdict is not None:
+            return failure.remote_verdict
+        local = failure.rank - self.spec.node_rank * self.spec.nproc_per_node
+        v = classify(failure, self.config, device_health(local))
+        mine = json.dumps({"rank": failure.rank, "hof": v.hof, "reason": v.reason, "device": v.device.source,
+                           "node": self.spec.node_rank})
+        return json.loads(self.store.compare_set(keys.FAILURE.format(gen=self.generation), "", mine))
+
+    def _node_sync(self, step: str, value) -> list:
+        """Lockstep point of a recovery across the job's node agents; returns every node's value."""
+        for node in range(self.spec.nnodes):
+            key = keys.NODE_STEP.format(gen=self.generation, step=step, node=node)
+            if node == self.spec.node_rank:
+                self.store.set(key, json.dumps(value))
+        keys_all = [keys.NODE_STEP.format(gen=self.generation, step=step, node=n) for n in range(self.spec.nnodes)]
+        self.store.wait(keys_all, timedelta(seconds=self.config.startup_timeout))
+        return [json.loads(self.store.get(k)) for k in keys_all]
+
+    def _agree(self, summary: dict) -> tuple:
+        """Job-wide roll-forward decision from every node's ``{rank: (status, iteration)}``."""
+        merged = {}
+        for part in self._node_sync("summary", {str(k): v for k, v in summary.items()}):
+            merged.update({int(k): v for k, v in part.items()})
+        return local_agreement(merged)
 
     def _charge_budget(self, failure: Failure) -> None:
         now = time.time()
@@ -73,6 +100,7 @@ class RecoveryMixin:
         t0 = time.time()
         self._kill(self.actives)
         self.actives = {}
+        self._node_sync("stopped", True)  # no node touches retained state while another still trains
         timing["stop"] = time.time() - t0
         t1 = time.time()
         try:
@@ -98,15 +126,16 @@ class RecoveryMixin:
     def _recover_retained(self) -> dict:
         stores = {r - self._local_ranks()[0]: RetainedStore.attach(self.job_id, r) for r in self._local_ranks()}
         try:
-            return recover_node(stores)
+            return recover_node(stores, agree=self._agree)
         finally:
             for s in stores.values():
                 s.close()
 
     def _promote_or_cold_start(self) -> str:
-        ready = self.shadows and all(
+        ready = bool(self.shadows) and all(
             p.poll() is None and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
             for r, p in self.shadows.items())
+        ready = all(self._node_sync("shadows_ready", ready))  # promote only if every node can
         for rank in self._local_ranks():
             self.store.set(keys.HEARTBEAT.format(rank=rank), "")
         self._heartbeats.clear()
@@ -183,14 +212,17 @@ class RecoveryMixin:
         return None
 
     def _watch_shadows(self) -> None:
-        """A shadow that died while waiting is replaced (its whole set: they share a group)."""
+        """A shadow that died while waiting is replaced -- with its whole set, on every node:
+        the set is one process group. The replacement counter in the store keeps nodes in step."""
         dead = [p for p in self.shadows.values() if p.poll() is not None]
-        if not dead:
-            return
         for p in dead:
             code, sig = p.exit_status()
             self.events.emit("shadow_failed", self.generation, rank=p.rank, pid=p.pid, exit_code=code, signal=sig,
                              shadow_set=p.shadow_set)
-        self._kill(self.shadows)
-        self.shadows = {}
-        self._start_shadows()
+        key = keys.SHADOW_REPLACE.format(gen=self.generation)
+        count = self.store.add(key, 1 if dead else 0)
+        if count > self._replacements_seen:
+            self._replacements_seen = count
+            self._kill(self.shadows)
+            self.shadows = {}
+            self._start_shadows(replacement=count)

@@ -53,7 +53,7 @@ class SessionEnv:
     job_id: str
     run_dir: str
     generation: int
-    shadow_set: int
+    shadow_set: str  # "<generation>-<replacement>": the same on every node
     level: int
     resume: str  # "" (fresh), "retained" (cold promotion), "checkpoint"
     faults: list = field(default_factory=list)
@@ -71,7 +71,7 @@ class SessionEnv:
             node=int(env.get("GROUP_RANK", env.get("LETO_NODE_RANK", "0"))),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
             job_id=env["LETO_JOB_ID"], run_dir=env.get("LETO_RUN_DIR", "."),
-            generation=int(env.get("LETO_GENERATION", "0")), shadow_set=int(env.get("LETO_SHADOW_SET", "0")),
+            generation=int(env.get("LETO_GENERATION", "0")), shadow_set=env.get("LETO_SHADOW_SET", "0"),
             level=int(env.get("LETO_SHADOW_LEVEL", "3")), resume=env.get("LETO_RESUME", ""),
             faults=json.loads(env.get("LETO_FAULTS", "[]")),
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..protection.repair import RepairReport, page_ok, repair
 from ..retained.record import read_all
@@ -137,8 +137,21 @@ def latest(store: RetainedStore) -> dict | None:
     return entries[-1].payload if entries else None
 
 
-def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None) -> dict[int, RecoveryReport]:
-    """Recover the ranks of one node (keyed by local rank); see the module docstring."""
+def local_agreement(summary: dict[int, tuple[str, int] | None]) -> tuple[int | None, bool]:
+    """(target iteration, did every rank reach it) from ``{rank: (status, iteration)}``."""
+    iterations = [s[1] for s in summary.values() if s is not None]
+    target = max(iterations, default=None)
+    return target, all(s is not None and s[1] == target for s in summary.values())
+
+
+def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None,
+                 agree: Callable[[dict], tuple[int | None, bool]] = local_agreement) -> dict[int, RecoveryReport]:
+    """Recover the ranks of one node (keyed by local rank); see the module docstring.
+
+    ``agree`` turns this node's ``{rank: (status, iteration)}`` into the job-wide decision
+    (target iteration, whether every rank of the job prepared or committed it); a multi-node
+    agent exchanges the summaries through the job's store before anything rolls forward.
+    """
     if not stores:
         raise ValueError("recover_node needs at least one store")
     codes = codes or ParityCodes(next(iter(stores.values())))
@@ -158,7 +171,9 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     t2 = time.perf_counter()
     groups1, stripes = reencode(stores, codes, touched)
     t3 = time.perf_counter()
-    decide_and_roll_forward(stores, records, reports, codes)
+    summary = {s.spec.rank: (rec["status"], rec["iteration"]) if rec else None for s, rec in
+               ((stores[r], records[r]) for r in stores)}
+    decide_and_roll_forward(stores, records, reports, codes, *agree(summary))
     t4 = time.perf_counter()
     for r, report in reports.items():
         report.repair = rep
@@ -168,11 +183,8 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     return reports
 
 
-def decide_and_roll_forward(stores, records, reports, codes: ParityCodes) -> None:
-    prepared = {r: rec["iteration"] for r, rec in records.items() if rec and rec["status"] == PREPARED}
-    committed = {r: rec["iteration"] for r, rec in records.items() if rec and rec["status"] == COMMITTED}
-    target = max(list(prepared.values()) + list(committed.values()), default=None)
-    everyone_reached = all(rec and rec["iteration"] == target for rec in records.values())
+def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target: int | None,
+                            everyone_reached: bool) -> None:
     for r, store in stores.items():
         rec, report = records[r], reports[r]
         if rec is None:
