@@ -8,8 +8,14 @@ has to restore shows up in the final weights if it is restored wrong.
 from __future__ import annotations
 
 import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import lightning.pytorch as pl
@@ -65,11 +71,13 @@ class TinyModule(pl.LightningModule):
                        {"scheduler": decay, "interval": "epoch", "frequency": 1}]
 
 
-def dataloaders(n: int = 40, batch: int = 4) -> tuple[DataLoader, DataLoader]:
+def dataloaders(n: int = 40, batch: int = 4, own_sampler: bool = True) -> tuple[DataLoader, DataLoader]:
+    """``own_sampler``: a one-replica shuffling DistributedSampler, so a single-device run and a
+    LetoStrategy (DDP) run see the same order; False: Lightning injects one per rank."""
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     ds = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7) if own_sampler else None
     val = TensorDataset(tokens[:8, :-1], tokens[:8, 1:])
     return DataLoader(ds, batch_size=batch, sampler=sampler), DataLoader(val, batch_size=4)
 
@@ -84,6 +92,7 @@ class RunConfig:
     precision: str = "32-true"
     val_check_interval: Any = 1.0
     strategy: Any = "auto"  # "auto" (single device), "leto", or a LetoStrategy
+    devices: int = 1  # > 1: ranks started by run_ranks (externally, as `leto launch` will)
     seed: int = 0
     loss_file: str | None = None
     ckpt_path: str | None = None
@@ -92,7 +101,7 @@ class RunConfig:
 
 def trainer_for(cfg: RunConfig) -> pl.Trainer:
     kwargs = dict(
-        strategy=cfg.strategy, accelerator="cpu", devices=1, max_epochs=cfg.max_epochs,
+        strategy=cfg.strategy, accelerator="cpu", devices=cfg.devices, max_epochs=cfg.max_epochs,
         accumulate_grad_batches=cfg.accumulate, gradient_clip_val=cfg.clip, precision=cfg.precision,
         val_check_interval=cfg.val_check_interval, limit_val_batches=2, num_sanity_val_steps=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -105,7 +114,7 @@ def fit(cfg: RunConfig) -> dict:
     os.environ.pop("PL_GLOBAL_SEED", None)
     model = TinyModule(cfg.optimizer, cfg.scheduler, cfg.seed, cfg.loss_file)
     trainer = trainer_for(cfg)
-    train, val = dataloaders()
+    train, val = dataloaders(own_sampler=cfg.devices == 1)
     torch.manual_seed(99)  # the RNG the run starts from (dropout draws from it)
     trainer.fit(model, train, val, ckpt_path=cfg.ckpt_path)
     out = snapshot(trainer, model)
@@ -173,3 +182,56 @@ def read_losses(path: str) -> dict[tuple[int, int], str]:
                 epoch, idx, value = line.split()
                 out[(int(epoch), int(idx))] = value
     return out
+
+
+def run_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank)`` in ``world`` forked processes at once, each with the environment an
+    external launcher sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*); returns their results."""
+    port = _free_port()
+    out_dir = tempfile.mkdtemp()
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                                  RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+                result = fn(rank)
+                with open(os.path.join(out_dir, str(rank)), "wb") as f:
+                    pickle.dump(result, f)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    deadline = time.monotonic() + timeout
+    codes = {}
+    try:
+        while len(codes) < world and time.monotonic() < deadline:
+            for pid in pids:
+                if pid not in codes:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[pid] = status
+            time.sleep(0.05)
+    finally:
+        for pid in pids:
+            if pid not in codes:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    if len(codes) < world or any(codes.values()):
+        raise RuntimeError(f"ranks failed or timed out: {codes}")
+    results = []
+    for rank in range(world):
+        with open(os.path.join(out_dir, str(rank)), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -36,8 +36,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import RetainedOptimizer, layout_for, optimizer_family
-from ...updater.transaction import COMMITTED
+from ...updater.retained_optimizer import (RetainedOptimizer, encode_all, encode_tier2, layout_for,
+                                          optimizer_family)
+from ...updater.transaction import COMMITTED, ParityCodes
 from .callback import LetoLoopStateCallback
 from .data import ResumableDataLoader
 from .options import RETAINED_CKPT, LetoRuntimeOptions
@@ -119,12 +120,19 @@ class LetoStrategy(DDPStrategy):
         super().setup(trainer)
 
     def configure_ddp(self) -> None:
-        """Bind to retained memory before the DDP wrap (DDP then broadcasts into the views)."""
+        """Bind to retained memory before the DDP wrap: DDP then broadcasts into the views and
+        its reducer writes gradients into retained memory."""
         trainer = self.lightning_module.trainer
         super().setup_optimizers(trainer)
         self._optimizers_ready = True
         self._bind_retained(trainer)
-        super().configure_ddp()
+        super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
+        assert self.retained is not None
+        if not self._resumed:
+            # Checksums and parity of a new store describe what the broadcast left, not the
+            # rank's own initial weights it replaced.
+            encode_all(self.retained.store, self.retained.txn.codes)
+            self._encode_node_parity(self.retained.store)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         if self._optimizers_ready:  # created in configure_ddp, before the wrap
@@ -156,6 +164,22 @@ class LetoStrategy(DDPStrategy):
         optimizer.zero_grad = ro.zero_grad  # in place: the gradients stay retained views
         self.retained = ro
         self._proxy = proxy_for(optimizer, self._retained_step)
+
+    def _encode_node_parity(self, store: RetainedStore) -> None:
+        """Tier 2 spans the node's ranks: once every local rank has bound its store, local rank
+        0 encodes the stripes from all of them (each rank then keeps them current by deltas)."""
+        if not store.spec.tier2.enabled:
+            return
+        self.barrier("leto-stores-bound")
+        if self.local_rank == 0:
+            first = self.global_rank - self.local_rank
+            peers = [RetainedStore.attach(store.spec.job_id, first + i) for i in range(1, self.num_processes)]
+            try:
+                encode_tier2([store, *peers], ParityCodes(store))
+            finally:
+                for peer in peers:
+                    peer.close()
+        self.barrier("leto-tier2-encoded")
 
     def _prepare_barrier(self) -> Optional[Callable[[], None]]:
         """No chunk of an iteration commits before every rank prepared it (DESIGN.md 2.3)."""
