@@ -21,6 +21,8 @@ import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from leto_lightning.faults.points import set_hook
+
 VOCAB, DIM, SEQ = 23, 16, 6
 
 
@@ -184,9 +186,12 @@ def read_losses(path: str) -> dict[tuple[int, int], str]:
     return out
 
 
-def run_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0, kill: tuple[int, Any] | None = None,
+              allow_failure: bool = False) -> list[Any]:
     """Run ``fn(rank)`` in ``world`` forked processes at once, each with the environment an
-    external launcher sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*); returns their results."""
+    external launcher sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*); returns their results
+    (None for a rank that failed, when ``allow_failure``). ``kill=(rank, KillPoint)``: that
+    rank SIGKILLs itself at the point."""
     port = _free_port()
     out_dir = tempfile.mkdtemp()
     pids = []
@@ -196,6 +201,8 @@ def run_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> l
             code = 1
             try:
                 torch.set_num_threads(1)
+                if kill is not None and kill[0] == rank:
+                    set_hook(_SelfKill(kill[1]))
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                                   RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
                 result = fn(rank)
@@ -222,13 +229,30 @@ def run_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> l
             if pid not in codes:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-    if len(codes) < world or any(codes.values()):
+    if len(codes) < world or (any(codes.values()) and not allow_failure):
         raise RuntimeError(f"ranks failed or timed out: {codes}")
     results = []
     for rank in range(world):
-        with open(os.path.join(out_dir, str(rank)), "rb") as f:
-            results.append(pickle.load(f))
+        path = os.path.join(out_dir, str(rank))
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        else:
+            results.append(None)
     return results
+
+
+class _SelfKill:
+    """Fault hook: SIGKILL this process the ``occurrence``-th time it reaches the point."""
+
+    def __init__(self, kill_at: Any) -> None:
+        self.kill_at, self.count = kill_at, 0
+
+    def __call__(self, name: str, context: dict) -> None:
+        if name == self.kill_at.name:
+            self.count += 1
+            if self.count == self.kill_at.occurrence:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _free_port() -> int:
