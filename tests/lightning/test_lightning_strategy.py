@@ -160,6 +160,22 @@ def test_existing_store_is_not_overwritten(job: str) -> None:
         run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)))
 
 
+def test_second_fit_in_the_same_process_starts_a_new_store(job: str) -> None:
+    def child() -> tuple:
+        strategy = LetoStrategy(job_id=job)
+        trainer = trainer_for(RunConfig(strategy=strategy, max_epochs=1))
+        model = TinyModule()
+        train, val = dataloaders()
+        trainer.fit(model, train, val)
+        first = strategy.retained.store
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(model, train, val)  # continues training: a fresh optimizer, hence a fresh store
+        return first is not strategy.retained.store, strategy.retained.iteration, trainer.global_step
+
+    new_store, iteration, step = run_in_child(child).value
+    assert new_store and (iteration, step) == (5, 10)
+
+
 def test_proxy_is_an_instance_of_the_optimizer_class() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.AdamW([p], lr=0.1)
