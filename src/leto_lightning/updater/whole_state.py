@@ -12,6 +12,7 @@ step, inside the first transaction.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -73,6 +74,7 @@ class WholeStateTransactions(ChunkTransactions):
     def __init__(self, store: RetainedStore, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
                  codes: ParityCodes | None = None) -> None:
         super().__init__(store, codes)
+        self._plan_cache: SimpleNamespace | None = None
         self.optimizer = optimizer
         self.params = list(params)
 
@@ -92,9 +94,10 @@ class WholeStateTransactions(ChunkTransactions):
         self._optimizer_step(skip_params)
         point("whole.math_done", iteration=iteration)
         store.chunk_table[:, 1] = MATH_DONE
-        self._tier1_delta(pages)
+        plan = self._whole_plan()
+        self._tier1_delta(plan)
         store.chunk_table[:, 1] = TIER1_DONE
-        self._tier2_delta(lay.n_chunks, pages)
+        self._tier2_delta(plan)
         store.chunk_table[:, 1] = TIER2_DONE
         for p in pages:
             store.crcs[p] = to_i64(checksum(store.pages[p]))
@@ -103,6 +106,21 @@ class WholeStateTransactions(ChunkTransactions):
         store.chunk_table[:, 0] = iteration + 1
         store.chunk_table[:, 1] = IDLE
         point("whole.committed", iteration=iteration)
+
+    def _whole_plan(self) -> SimpleNamespace:
+        """Old (undo) and new page of every rewritten page with its parity pages, resolved once.
+        The tier-2 lock key ``n_chunks`` is the one every rank's whole-state update takes."""
+        if self._plan_cache is None:
+            store, lay = self.store, self.layout
+            pages = list(lay.update_pages)
+            undo = store.undo_view(len(pages))
+            t1, t2 = store.spec.tier1, store.spec.tier2
+            tier1 = [(undo[i], store.pages[p], t1.column(p), list(store.parity1[int(t1.page_group[p])]))
+                     for i, p in enumerate(pages)] if store.parity1.numel() else []
+            tier2 = [(undo[i], store.pages[p], list(store.parity2[int(t2.page_stripe[p])]))
+                     for i, p in enumerate(pages)] if store.parity2 is not None else []
+            self._plan_cache = SimpleNamespace(chunk=lay.n_chunks, pages=pages, tier1=tier1, tier2=tier2)
+        return self._plan_cache
 
     def _optimizer_step(self, skip_params) -> None:
         """torch's own step on the retained views; params without a gradient see ``grad=None``."""
