@@ -129,7 +129,8 @@ def test_checkpoint_and_early_stopping_state_survive(job: str, jobs, tmp_path) -
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     ref_job = jobs()  # made here: a job id made inside the child would escape the cleanup
     ref = run_in_child(lambda: fit(config(ref_dir, _leto(ref_job)))).value
-    crashed = run_in_child(lambda: fit(config(run_dir, _leto(job))), kill_at=KillPoint("chunk.math_done", 13 * CHUNKS + 3))
+    kill_at = KillPoint("chunk.math_done", 13 * CHUNKS + 3)
+    crashed = run_in_child(lambda: fit(config(run_dir, _leto(job))), kill_at=kill_at)
     assert crashed.killed
 
     def resume() -> dict:

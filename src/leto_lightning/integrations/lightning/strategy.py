@@ -12,14 +12,14 @@ docs/lightning.md):
 - ``process_dataloader`` -- the training loader becomes a ``ResumableDataLoader``.
 - ``load_checkpoint("leto://retained")`` -- an in-memory checkpoint built from the store and its
   resume payload (``resume.py``); restore runs after ``setup`` so the store is already bound.
-- launcher -- never starts processes (Lightning's launcher kills every rank when one dies);
-  turns ``LETO_RESUME=retained`` into ``ckpt_path="leto://retained"``.
+- launcher (``launcher.py``) -- never starts processes (Lightning's launcher kills every rank
+  when one dies); turns ``LETO_RESUME=retained`` into ``ckpt_path="leto://retained"``.
+- ``checks.py`` -- combinations it cannot protect are rejected at construction or setup.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import weakref
 from typing import Any, Callable, Optional
 
@@ -27,26 +27,24 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import (RetainedOptimizer, encode_all, encode_tier2, layout_for,
-                                          optimizer_family)
+from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2, layout_for
 from ...updater.transaction import COMMITTED, ParityCodes
 from .callback import LetoLoopStateCallback
+from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
+from .launcher import LetoLauncher
 from .options import RETAINED_CKPT, LetoRuntimeOptions
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
-_PRECISIONS = ("32-true", "bf16-mixed")
 STRATEGY_NAME = "leto"
 
 
@@ -70,7 +68,7 @@ class LetoStrategy(DDPStrategy):
         self.retained_config = retained if retained is not None else RetainedConfig(**fields)
         self.leto_options = LetoRuntimeOptions(job_id, resume, LetoRuntimeOptions.parse_level(shadow_level),
                                                heartbeat_interval, heartbeat_timeout)
-        _reject_ddp_options(kwargs)
+        reject_ddp_options(kwargs)
         super().__init__(**kwargs)
         self.loop_state = LetoLoopStateCallback()
         self.loop_state.attach(self)
@@ -108,12 +106,12 @@ class LetoStrategy(DDPStrategy):
         return self.retained is not None and self.retained.iteration > 0
 
     def _configure_launcher(self) -> None:
-        self._launcher = _LetoLauncher(self)
+        self._launcher = LetoLauncher(self)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_trainer(self, trainer)
+            check_trainer(self, trainer)
             if self.loop_state in trainer.callbacks:
                 trainer.callbacks.remove(self.loop_state)
             trainer.callbacks.append(self.loop_state)  # last: sees what the other callbacks did
@@ -141,7 +139,7 @@ class LetoStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
 
     def _bind_retained(self, trainer: "pl.Trainer") -> None:
-        optimizer = _the_optimizer(self, trainer)
+        optimizer = the_optimizer(self, trainer)
         self.job_id = self.leto_options.resolved_job_id() or self.job_id or new_job_id()
         payload_fn: Callable[[], Any] = lambda: self.loop_state.payload_at_prepare(trainer)
         module = self.lightning_module
@@ -273,7 +271,7 @@ class LetoStrategy(DDPStrategy):
             store.close()
             self.retained = None
 
-    def _note_fit_args(self, ckpt_path: Any) -> Any:
+    def resolve_fit_ckpt_path(self, ckpt_path: Any) -> Any:
         """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
         continues from retained memory; returns the ckpt_path Lightning should see."""
         if ckpt_path is None and self.leto_options.resume_requested() and not self._env_resume_used:
@@ -289,33 +287,6 @@ class LetoStrategy(DDPStrategy):
         return ckpt_path
 
 
-class _LetoLauncher(_Launcher):
-    """Runs the trainer function in this process; never spawns ranks (``leto launch`` does)."""
-
-    def __init__(self, strategy: LetoStrategy) -> None:
-        self._strategy = strategy
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        strategy = self._strategy
-        env = strategy.cluster_environment
-        if strategy.num_processes * strategy.num_nodes > 1 and not (env and env.creates_processes_externally):
-            raise RuntimeError("LetoStrategy does not start ranks itself: Lightning's launcher kills every rank when "
-                               "one dies, which is what Leto recovers from. Start the script with `leto launch "
-                               "--nproc-per-node N script.py` (or another launcher that sets RANK/WORLD_SIZE).")
-        if getattr(function, "__name__", "") == "_fit_impl":
-            bound = inspect.signature(function).bind(*args, **kwargs)
-            bound.arguments["ckpt_path"] = strategy._note_fit_args(bound.arguments.get("ckpt_path"))
-            args, kwargs = bound.args, bound.kwargs
-        return function(*args, **kwargs)
-
-    def kill(self, signum: Any) -> None:
-        """Nothing to kill: this launcher started no processes."""
-
-
 def _create_store(spec: StoreSpec) -> RetainedStore:
     try:
         return RetainedStore.create(spec)
@@ -324,56 +295,6 @@ def _create_store(spec: StoreSpec) -> RetainedStore:
             f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: continue from it with "
             f"trainer.fit(ckpt_path={RETAINED_CKPT!r}) (or LETO_RESUME=retained), or free it with "
             f"leto_lightning.retained.shm.unlink_segments({spec.job_id!r}) to start over") from None
-
-
-def _reject_ddp_options(kwargs: dict[str, Any]) -> None:
-    """DDP options that would change parameters or gradients outside retained memory."""
-    if kwargs.get("gradient_as_bucket_view"):
-        raise ValueError("gradient_as_bucket_view=True makes gradients views into DDP's buckets; LetoStrategy keeps "
-                         "them in retained memory -- leave it False")
-    if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
-        raise ValueError("post-local-SGD model averaging changes parameters outside the optimizer step, which "
-                         "retained transactions cannot protect; use plain DDP gradient averaging with LetoStrategy")
-    start = kwargs.pop("start_method", "popen")
-    if start != "popen":
-        raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
-
-
-def _check_trainer(strategy: LetoStrategy, trainer: "pl.Trainer") -> None:
-    """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
-    precision = strategy.precision_plugin
-    name = getattr(precision, "precision", None)
-    if type(precision) not in (Precision, MixedPrecision) or name not in _PRECISIONS:
-        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy yet: "
-                         f"use one of {_PRECISIONS}. 16-mixed: overflow steps skip the optimizer step and the grad "
-                         "scaler's state is not in the resume record; sharded precision plugins (FSDP, DeepSpeed) "
-                         "cannot be combined with a DDP strategy.")
-    if strategy.root_device.type != "cpu":
-        raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
-                         "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
-    if not trainer.lightning_module.automatic_optimization:
-        raise ValueError("manual optimization is not supported by LetoStrategy yet: its optimizer step happens inside "
-                         "training_step, so there is no batch boundary to resume at; use automatic optimization")
-
-
-def _the_optimizer(strategy: LetoStrategy, trainer: "pl.Trainer") -> torch.optim.Optimizer:
-    """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
-    if len(strategy.optimizers) != 1:
-        raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
-                         f"{len(strategy.optimizers)}")
-    optimizer = strategy.optimizers[0]
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
-                         "-- use another optimizer with LetoStrategy")
-    if type(optimizer).__module__.startswith("torch.distributed"):
-        raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
-                         "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
-    optimizer_family(optimizer)  # raises for fused / capturable / differentiable
-    for config in trainer.lr_scheduler_configs:
-        if config.reduce_on_plateau:
-            raise ValueError("ReduceLROnPlateau is not supported by LetoStrategy yet: the metric it monitors is not "
-                             "part of the resume record, so a resumed run could step it differently")
-    return optimizer
 
 
 LetoStrategy.register_strategies(StrategyRegistry)  # idempotent; see __init__.register

@@ -1,0 +1,71 @@
+"""What ``LetoStrategy`` cannot protect, rejected early with what to do instead.
+
+Each check names the combination and the reason: a silently unprotected step (state changed
+outside a transaction, or not in retained memory) is worse than a refusal.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+from ...updater.retained_optimizer import optimizer_family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .strategy import LetoStrategy
+
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def reject_ddp_options(kwargs: dict[str, Any]) -> None:
+    """DDP options that would change parameters or gradients outside retained memory."""
+    if kwargs.get("gradient_as_bucket_view"):
+        raise ValueError("gradient_as_bucket_view=True makes gradients views into DDP's buckets; LetoStrategy keeps "
+                         "them in retained memory -- leave it False")
+    if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
+        raise ValueError("post-local-SGD model averaging changes parameters outside the optimizer step, which "
+                         "retained transactions cannot protect; use plain DDP gradient averaging with LetoStrategy")
+    start = kwargs.pop("start_method", "popen")
+    if start != "popen":
+        raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
+
+
+def check_trainer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> None:
+    """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
+    precision = strategy.precision_plugin
+    name = getattr(precision, "precision", None)
+    if type(precision) not in (Precision, MixedPrecision) or name not in PRECISIONS:
+        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy yet: "
+                         f"use one of {PRECISIONS}. 16-mixed: overflow steps skip the optimizer step and the grad "
+                         "scaler's state is not in the resume record; sharded precision plugins (FSDP, DeepSpeed) "
+                         "cannot be combined with a DDP strategy.")
+    if strategy.root_device.type != "cpu":
+        raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
+                         "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError("manual optimization is not supported by LetoStrategy yet: its optimizer step happens inside "
+                         "training_step, so there is no batch boundary to resume at; use automatic optimization")
+
+
+def the_optimizer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> torch.optim.Optimizer:
+    """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
+    if len(strategy.optimizers) != 1:
+        raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
+                         f"{len(strategy.optimizers)}")
+    optimizer = strategy.optimizers[0]
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
+                         "-- use another optimizer with LetoStrategy")
+    if type(optimizer).__module__.startswith("torch.distributed"):
+        raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
+                         "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
+    optimizer_family(optimizer)  # raises for fused / capturable / differentiable
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau:
+            raise ValueError("ReduceLROnPlateau is not supported by LetoStrategy yet: the metric it monitors is not "
+                             "part of the resume record, so a resumed run could step it differently")
+    return optimizer
