@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_hofs_at_random_points_end_bit_identical(tmp_path, reference):
 
 
 def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
-    proc = start(tmp_path, ITERATIONS, extra=["--heartbeat-timeout", "3"], script_args=["--sleep", "0.15"])
+    proc = start(tmp_path, ITERATIONS, extra=["--heartbeat-timeout", "6"], script_args=["--sleep", "0.15"])
     try:
         events = lambda: list(_events(tmp_path))
         wait_for(lambda: any(e["event"] == "process_started" and e["role"] == "shadow" for e in events())
@@ -75,6 +76,7 @@ def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
         wait_for(lambda: any(e["event"] == "shadow_level" and e["shadow_set"] == "0-1" for e in events()), 30,
                  "the new shadow set")
         active = [e["pid"] for e in events() if e["event"] == "process_started" and e["role"] == "active"][-1]
+        stopped_at = time.time()
         os.kill(active, signal.SIGSTOP)  # a hang
     except BaseException:
         proc.kill()
@@ -84,8 +86,7 @@ def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
     assert result.returncode == 0, result.output[-3000:]
     hang = [e for e in result.of("failure_detected") if e["hang"]]
     assert len(hang) == 1 and hang[0]["pid"] == active
-    stopped_at = max(e["time"] for e in result.of("shadow_level") if e["shadow_set"] == "0-1")
-    assert hang[0]["time"] - stopped_at < 3 + 10  # within the timeout (+ slack for a loaded machine)
+    assert hang[0]["time"] - stopped_at < 6 + 10  # within the timeout (+ slack for a loaded machine)
     assert len(result.of("recovery_finished")) == 1
     for r in range(2):
         assert same_state(result.final_state(r), reference.final_state(r)) == []

@@ -230,9 +230,9 @@ class Agent(RecoveryMixin):
             if code is not None and code != 0:
                 exit_code, sig = p.exit_status()
                 return self._failure(p, exit_code=exit_code, signal=sig)
-        for p in self.actives.values():
-            if p.poll() is None and self._hung(p, now):
-                return self._failure(p, hang=True)
+        hung = [p for p in self.actives.values() if p.poll() is None and self._hung(p, now)]
+        if hung:  # survivors block in collectives soon after the culprit stops: blame the stalest
+            return self._failure(min(hung, key=lambda p: self._heartbeats[p.rank][1]), hang=True)
         return None
 
     def _failure(self, p: TrainerProcess, **how) -> Failure:
