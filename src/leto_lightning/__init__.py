@@ -7,3 +7,7 @@ Parts (DESIGN.md section 2): ``retained`` (paged retained memory), ``protection`
 """
 
 __version__ = "0.1.0"
+
+# Trainer(strategy="leto"): registered as soon as lightning.pytorch is imported (lazy; costs nothing
+# without Lightning).
+from .integrations import lightning as _lightning_integration  # noqa: E402,F401
