@@ -16,6 +16,7 @@ _SUBCOMMANDS = {
     "demo": "leto_lightning.demo",
     "launch": "leto_lightning.runtime.launch",
     "simulate": "leto_lightning.sim.cli",
+    "train": "leto_lightning.train",
 }
 
 

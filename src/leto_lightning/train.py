@@ -1,0 +1,63 @@
+"""``leto train RECIPE [key=value ...]``: train a recipe's model with Leto under ``leto launch``.
+
+The recipe (``recipes/<name>.yaml`` or a path) is validated with its overrides, written
+resolved to ``RUN_DIR/recipe.yaml``, and the package's recipe training script runs on
+``parallelism.dp`` CPU ranks with shadows. ``faults.hof_every=N`` injects a HOF every N
+iterations (``faults.hof_phase``: compute, update or random), each once shadows are ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a recipe (recipes/*.yaml) on CPU ranks with in-place recovery",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe name (qwen, olmoe, deepseek_moe, gpt_moe, kimi_moe) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. size=tiny trainer.max_steps=100")
+    p.add_argument("--run-dir", default=None, help="outputs (default: leto-runs/<recipe>-<time>)")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    p.set_defaults(func=run)
+
+
+def hof_faults(hof_every: int, phase: str, max_steps: int, ranks: int, seed: int) -> list[dict]:
+    """One SIGKILL every ``hof_every`` iterations, alternating ranks, at the chosen phase."""
+    rng = random.Random(seed)
+    points = {"compute": ["compute.begin"], "update": ["chunk.math_done", "chunk.tier1_partial"],
+              "random": ["compute.begin", "chunk.math_done", "chunk.tier1_partial", "record.half_written"]}[phase]
+    faults = []
+    for n, it in enumerate(range(hof_every, max_steps, hof_every) if hof_every else []):
+        point = rng.choice(points)
+        faults.append({"id": n, "rank": n % ranks, "iteration": it, "point": point, "occurrence": 1,
+                       "wait_shadows": True})
+    return faults
+
+
+def run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from .examples import RECIPE_TRAIN
+    from .models.config import load_recipe
+    from .runtime.agent import Agent, LaunchSpec
+    from .runtime.config import RuntimeConfig
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    par = recipe.active.parallelism
+    if par.tp != 1 or par.pp != 1:
+        raise SystemExit(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has tp={par.tp}, "
+                         f"pp={par.pp}; use size=tiny (or the simulator for full sizes: leto simulate --recipe {recipe.name})")
+    run_dir = args.run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(run_dir, exist_ok=True)
+    resolved = os.path.join(run_dir, "recipe.yaml")
+    OmegaConf.save(OmegaConf.structured(recipe), resolved)
+    faults = hof_faults(recipe.faults.hof_every, str(recipe.faults.hof_phase.value), recipe.trainer.max_steps,
+                        par.dp, recipe.faults.seed)
+    spec = LaunchSpec(script=RECIPE_TRAIN, args=[resolved], nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
+    config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
+    print(f"[leto] training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
+          f"run dir {run_dir}", flush=True)
+    return Agent(spec, config).run()
