@@ -145,3 +145,17 @@ def test_failure_budget_stops_cleanly(tmp_path):
     assert "exceed the budget of 1" in stopped["reason"] and "checkpoint" in stopped["reason"]
     assert "job stopped" in result.output
     assert (tmp_path / "checkpoints" / "rank0.pt").exists()  # the last checkpoint is intact
+
+
+def test_sigterm_stops_everything_and_frees_memory(tmp_path):
+    proc = start(tmp_path, ITERATIONS, script_args=["--sleep", "0.2"])
+    try:
+        wait_for(lambda: os.path.exists(tmp_path / "loss_rank0.jsonl"), 120, "training to start")
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, tmp_path)  # asserts: no process left, port closed (and the suite: no segment left)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert result.of("job_interrupted")
