@@ -38,6 +38,11 @@ def hof_faults(hof_every: int, phase: str, max_steps: int, ranks: int, seed: int
 
 
 def run(args: argparse.Namespace) -> int:
+    return build_agent(args.recipe, args.overrides, args.run_dir, args.heartbeat_timeout).run()
+
+
+def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbeat_timeout: float = 60.0, out=None):
+    """The agent that trains ``recipe_name`` with ``overrides`` (validated here)."""
     from omegaconf import OmegaConf
 
     from .examples import RECIPE_TRAIN
@@ -45,19 +50,19 @@ def run(args: argparse.Namespace) -> int:
     from .runtime.agent import Agent, LaunchSpec
     from .runtime.config import RuntimeConfig
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(recipe_name, overrides)
     par = recipe.active.parallelism
     if par.tp != 1 or par.pp != 1:
         raise SystemExit(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has tp={par.tp}, "
                          f"pp={par.pp}; use size=tiny (or the simulator for full sizes: leto simulate --recipe {recipe.name})")
-    run_dir = args.run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(run_dir, exist_ok=True)
     resolved = os.path.join(run_dir, "recipe.yaml")
     OmegaConf.save(OmegaConf.structured(recipe), resolved)
     faults = hof_faults(recipe.faults.hof_every, str(recipe.faults.hof_phase.value), recipe.trainer.max_steps,
                         par.dp, recipe.faults.seed)
     spec = LaunchSpec(script=RECIPE_TRAIN, args=[resolved], nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
-    config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
+    config = RuntimeConfig(heartbeat_timeout=heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
     print(f"[leto] training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
           f"run dir {run_dir}", flush=True)
-    return Agent(spec, config).run()
+    return Agent(spec, config, out=out)
