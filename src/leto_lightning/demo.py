@@ -1,4 +1,6 @@
-"""``leto demo``: the retained-state core on a small real model, with real failures.
+"""``leto demo``: end to end (demo_e2e.py) or, with ``--core``, the retained-state core alone.
+
+The core demo: the retained-state core on a small real model, with real failures.
 
 Two simulated devices train a small language model with AdamW on retained memory. The demo
 SIGKILLs a trainer half-way through an update, poisons pages, wipes a whole device, and
@@ -22,12 +24,31 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam_amsgrad | sgd_nesterov | sgd_dampening")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model, data and fault choices")
+    p.add_argument("--core", action="store_true",
+                   help="the retained-state core only (seconds): SIGKILL mid-update, poisoned pages, a lost device")
+    p.add_argument("--e2e", action="store_true",
+                   help="end to end: tiny OLMoE trained with Lightning on 2 CPU ranks, HOFs injected, vs fault-free")
+    p.add_argument("--steps", type=int, default=40, help="end-to-end: training iterations")
+    p.add_argument("--hof-every", type=int, default=10, help="end-to-end: a HOF every N iterations")
+    p.add_argument("--run-dir", default=None, help="end-to-end: outputs (default: leto-runs/demo-<time>)")
+    p.add_argument("--optimizer", default="adamw", help="--core: adamw | adam_amsgrad | sgd_nesterov | ...")
+    p.add_argument("--seed", type=int, default=0, help="--core: seed of the model, data and fault choices")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.core or not args.e2e:
+        return run_core(args)
+    import os
+    import time as _time
+
+    from .demo_e2e import run_demo
+
+    run_dir = args.run_dir or os.path.join("leto-runs", f"demo-{_time.strftime('%Y%m%d-%H%M%S')}")
+    return run_demo(args.steps, args.hof_every, run_dir)
+
+
+def run_core(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
