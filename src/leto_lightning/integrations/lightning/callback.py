@@ -64,6 +64,16 @@ class LetoLoopStateCallback(Callback):
         else:
             strategy.clean_since_step = False  # an accumulation micro-batch: keep the last record
 
+    def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        strategy = self._strategy
+        if strategy is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            strategy.fault_point("lightning.validation", "validation")
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._strategy is not None:
+            self._strategy.fault_point("lightning.epoch_end", "epoch_end")
+
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:

@@ -91,6 +91,8 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
         "loops": None if kind == "start" else {"fit_loop": trainer.fit_loop.state_dict()},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
     }
+    keeper = getattr(trainer.strategy, "logs", None)  # loggers across processes (logs.py), under leto launch
+    payload["logs"] = keeper.state(trainer, kind) if keeper is not None else None
     return payload
 
 

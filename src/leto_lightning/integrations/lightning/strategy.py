@@ -15,6 +15,9 @@ docs/lightning.md):
 - launcher (``launcher.py``) -- never starts processes (Lightning's launcher kills every rank
   when one dies); turns ``LETO_RESUME=retained`` into ``ckpt_path="leto://retained"``.
 - ``checks.py`` -- combinations it cannot protect are rejected at construction or setup.
+- under ``leto launch`` (``LETO_ROLE`` set): ``runtime_link.py`` -- the session's process group,
+  store creation/attach, promotion wait, heartbeats and progress keys; ``logs.py`` -- loggers
+  continued across trainer processes and the recovery metrics.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from ...faults.points import point
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
@@ -39,10 +44,13 @@ from ...updater.transaction import COMMITTED, ParityCodes
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
-from .launcher import LetoLauncher
+from .environment import LetoEnvironment, under_leto_launch
+from .launcher import LetoLauncher, check_launch
+from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
+from .runtime_link import RuntimeLink
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
 STRATEGY_NAME = "leto"
@@ -69,7 +77,12 @@ class LetoStrategy(DDPStrategy):
         self.leto_options = LetoRuntimeOptions(job_id, resume, LetoRuntimeOptions.parse_level(shadow_level),
                                                heartbeat_interval, heartbeat_timeout)
         reject_ddp_options(kwargs)
+        # Under `leto launch` the agent owns ranks, store and process-group namespace.
+        self.runtime: RuntimeLink | None = RuntimeLink(heartbeat_interval) if under_leto_launch() else None
+        if self.runtime is not None and kwargs.get("cluster_environment") is None:
+            kwargs["cluster_environment"] = LetoEnvironment()
         super().__init__(**kwargs)
+        self.logs = LogKeeper()
         self.loop_state = LetoLoopStateCallback()
         self.loop_state.attach(self)
         self.retained: RetainedOptimizer | None = None
@@ -106,7 +119,30 @@ class LetoStrategy(DDPStrategy):
         return self.retained is not None and self.retained.iteration > 0
 
     def _configure_launcher(self) -> None:
+        check_launch(self)  # at Trainer(...): Leto never spawns ranks; say how to start them
         self._launcher = LetoLauncher(self)
+
+    # -- environment -------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self.runtime is not None:
+            self.runtime.connect()  # shadows at level 1/2 wait here until promoted
+        super().setup_environment()  # accelerator, then setup_distributed
+        module = self._lightning_module
+        trainer = module._trainer if module is not None else None
+        if self.runtime is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.logs.prepare(trainer, self.runtime, self.global_rank)  # before Lightning creates experiments
+
+    def setup_distributed(self) -> None:
+        if self.runtime is None:
+            super().setup_distributed()
+            return
+        # Not Lightning's _init_dist_connection: the agent already listens on MASTER_PORT, and the
+        # group must live under the session's generation (or shadow-set) prefix.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        if not torch.distributed.is_initialized():
+            self.runtime.init_process_group(self._process_group_backend, self._timeout.total_seconds())
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -124,13 +160,31 @@ class LetoStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         self._optimizers_ready = True
         self._bind_retained(trainer)
+        ro = self.retained
+        assert ro is not None
+        if self._resumed and self.runtime is not None:
+            # A shadow is built up to here while the active trainers still write the same
+            # memory: DDP must not broadcast into it. After promotion every rank's retained
+            # parameters are the same committed values, so no broadcast is needed at all.
+            self._ddp_kwargs["init_sync"] = False
+            try:
+                super().configure_ddp()
+            finally:
+                self._ddp_kwargs.pop("init_sync", None)
+            self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
+            self._resume_payload = ro.resume()
+            self.logs.continue_from(trainer, self._resume_payload)
+            return
+        if self._resumed:
+            self._resume_payload = ro.resume()
         super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
-        assert self.retained is not None
         if not self._resumed:
             # Checksums and parity of a new store describe what the broadcast left, not the
             # rank's own initial weights it replaced.
-            encode_all(self.retained.store, self.retained.txn.codes)
-            self._encode_node_parity(self.retained.store)
+            encode_all(ro.store, ro.txn.codes)
+            self._encode_node_parity(ro.store)
+            if self.runtime is not None:
+                self.runtime.store_ready()  # shadows may attach now
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         if self._optimizers_ready:  # created in configure_ddp, before the wrap
@@ -140,14 +194,15 @@ class LetoStrategy(DDPStrategy):
 
     def _bind_retained(self, trainer: "pl.Trainer") -> None:
         optimizer = the_optimizer(self, trainer)
-        self.job_id = self.leto_options.resolved_job_id() or self.job_id or new_job_id()
+        self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
         payload_fn: Callable[[], Any] = lambda: self.loop_state.payload_at_prepare(trainer)
         module = self.lightning_module
         if self._resume_next_fit:
+            if self.runtime is not None:
+                self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
             ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
-            ro.bind(adopt=True, resume=False)
-            self._resume_payload = ro.resume()
+            ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
             self._resumed = True
         else:
             config = self.retained_config
@@ -179,8 +234,17 @@ class LetoStrategy(DDPStrategy):
                     peer.close()
         self.barrier("leto-tier2-encoded")
 
+    def _agreed_new_job_id(self) -> str:
+        """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
+        job = new_job_id()
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            job = self.broadcast(job, src=0)
+        return job
+
     def _prepare_barrier(self) -> Optional[Callable[[], None]]:
         """No chunk of an iteration commits before every rank prepared it (DESIGN.md 2.3)."""
+        if self.runtime is not None:
+            return self.runtime.barrier  # the session's flag all-reduce
         if self.world_size <= 1:
             return None
         return lambda: torch.distributed.barrier()
@@ -196,10 +260,21 @@ class LetoStrategy(DDPStrategy):
 
     def _retained_step(self, closure: Callable | None) -> Any:
         """The proxy's ``step``: closure (forward, backward, clipping), then the transactions."""
-        assert self.retained is not None
-        loss = self.retained.step(closure)
-        self.retained.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
+        ro = self.retained
+        assert ro is not None
+        link = self.runtime
+        if link is not None and closure is not None:
+            inner = closure
+
+            def closure() -> Any:  # forward and backward, then the agent hears "update"
+                out = inner()
+                link.update_start(ro.iteration)
+                return out
+        loss = ro.step(closure)
+        ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
         self.stepped_in_batch = True
+        if link is not None:
+            link.step_done(ro.iteration - 1)
         return loss
 
     def record_payload(self, payload: Any) -> None:
@@ -211,17 +286,45 @@ class LetoStrategy(DDPStrategy):
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
         if self._pending_rng is not None:
             set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
             self._pending_rng = None
+        self.logs.on_train_start(trainer)  # before "start": a fresh run's payload counts no rows yet
         if self.retained is not None and self.retained.iteration == 0:
-            self.record_payload(capture(self.lightning_module.trainer, "start"))
+            self.record_payload(capture(trainer, "start"))
+        if self.runtime is not None and self.runtime.resume_pending and self.retained is not None:
+            self.runtime.resumed(self.retained.iteration)  # loop, RNG and data position are restored
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.stepped_in_batch = False
-        last = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        trainer = self.lightning_module.trainer
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         for loader in list(self._train_loaders):
             loader.mark(batch_idx + 1, last)
+        if self.runtime is not None and self.retained is not None:
+            self.logs.log_recoveries(trainer)
+            self.runtime.batch_start(self.retained.iteration)
+
+    def on_train_end(self) -> None:
+        if self.runtime is not None:
+            self.logs.finish(self.lightning_module.trainer)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.runtime is not None:
+            self.runtime.report_exception(exception)
+        super().on_exception(exception)
+
+    def fault_point(self, name: str, phase: str) -> None:
+        """A named point between steps (validation, epoch end, after a checkpoint save): a
+        heartbeat at most every interval, and where tests inject faults under ``leto launch``."""
+        if self.runtime is not None and self.retained is not None:
+            self.runtime.alive(self.retained.iteration - 1, phase)
+        point(name)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.fault_point("lightning.after_checkpoint", "checkpoint")
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
@@ -274,7 +377,7 @@ class LetoStrategy(DDPStrategy):
     def resolve_fit_ckpt_path(self, ckpt_path: Any) -> Any:
         """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
         continues from retained memory; returns the ckpt_path Lightning should see."""
-        if ckpt_path is None and self.leto_options.resume_requested() and not self._env_resume_used:
+        if ckpt_path is None and self._resume_requested() and not self._env_resume_used:
             self._env_resume_used = True  # a shadow's first fit; later fits start normally
             ckpt_path = RETAINED_CKPT
         if ckpt_path is not None and str(ckpt_path) != RETAINED_CKPT:
@@ -285,6 +388,12 @@ class LetoStrategy(DDPStrategy):
         if self.retained is not None and not self._resume_next_fit:
             self.release(unlink=True)  # a new fit in this process: a fresh store
         return ckpt_path
+
+    def _resume_requested(self) -> bool:
+        """Options or ``LETO_RESUME=retained``; under ``leto launch`` also every shadow."""
+        if self.runtime is not None and self.runtime.resumes:
+            return True
+        return self.leto_options.resume_requested()
 
 
 def _create_store(spec: StoreSpec) -> RetainedStore:

@@ -1,0 +1,69 @@
+"""``LetoEnvironment``: the cluster environment of a rank that ``leto launch`` started.
+
+Why not Lightning's ``LightningEnvironment``: it caches ``MASTER_PORT`` and would have
+``_init_dist_connection`` create a TCPStore on it -- but under ``leto launch`` the agent
+already listens there, and the process group must live under the session's generation-
+(or shadow-set-) scoped prefix. ``LetoStrategy`` therefore never lets Lightning initialise
+the process group in this environment (``runtime_link.RuntimeLink.init_process_group``);
+this class only tells Lightning who this rank is, re-reading the environment every time.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+
+ENV_ROLE = "LETO_ROLE"
+
+
+def under_leto_launch(env=os.environ) -> bool:
+    """True in a trainer process started by ``leto launch`` (active or shadow)."""
+    return ENV_ROLE in env
+
+
+class LetoEnvironment(ClusterEnvironment):
+    """Ranks started by ``leto launch`` (never by Lightning): values come from the environment."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ["MASTER_PORT"])  # re-read: never cached across generations
+
+    @staticmethod
+    def detect() -> bool:
+        return under_leto_launch()
+
+    def world_size(self) -> int:
+        return int(os.environ["WORLD_SIZE"])
+
+    def set_world_size(self, size: int) -> None:
+        if size != self.world_size():
+            raise ValueError(
+                f"the Trainer asks for {size} ranks (devices x num_nodes), but `leto launch` started WORLD_SIZE="
+                f"{self.world_size()}: make Trainer(devices=...) equal to --nproc-per-node "
+                f"({os.environ.get('LOCAL_WORLD_SIZE', '?')}) and Trainer(num_nodes=...) equal to --nnodes")
+
+    def global_rank(self) -> int:
+        return int(os.environ["RANK"])
+
+    def set_global_rank(self, rank: int) -> None:
+        if rank != self.global_rank():
+            raise ValueError(f"Lightning computed global rank {rank}, `leto launch` assigned RANK={self.global_rank()}: "
+                             "Trainer(devices=...) must equal --nproc-per-node")
+
+    def local_rank(self) -> int:
+        return int(os.environ["LOCAL_RANK"])
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("LETO_NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+
+    def teardown(self) -> None:
+        """Nothing to undo: the environment belongs to ``leto launch``."""

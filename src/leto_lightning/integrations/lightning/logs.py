@@ -1,0 +1,209 @@
+"""Loggers across the processes of one ``leto launch`` job.
+
+After a recovery a *different process* (the promoted shadow, or a cold restart) continues the
+run. Left alone, Lightning's loggers would not follow it:
+
+- ``CSVLogger``/``TensorBoardLogger`` pick the next free ``version_N`` directory when their
+  version is not given, so every process would log into its own directory. The first active
+  rank 0 of the job publishes the version it resolved (the agent's store); every later
+  process takes it.
+- ``CSVLogger`` *deletes* ``metrics.csv`` when its writer is created over a non-empty
+  directory -- a shadow pre-initialising would erase the active trainer's log. A resuming
+  process gets a writer that keeps the file; once resumed, the file is cut back to the rows
+  the resume payload counted, and later rows (logged after the payload the run resumes from)
+  are logged again by the resumed run, with the same values.
+- The batch whose update committed just before a crash is not recomputed, so its step
+  metrics would never reach the loggers (Lightning feeds them after ``on_train_batch_end``).
+  Payloads captured at prepare or at batch end carry them; the resumed run logs them first.
+
+Recovery metrics (``recovery_metrics.py``) are logged by global rank 0 at the start of
+training batches; which recoveries were logged is part of the payload too, so each recovery
+is logged once per metrics file.
+
+Logged *through this module*: ``CSVLogger`` (continued exactly), ``TensorBoardLogger``
+(version pinned; event files are appended) and any other logger (``WandbLogger``: every
+process writes its own offline run; the recovery metrics are in the run of the process that
+logged them).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime_link import RuntimeLink
+
+VERSION_KEY = "lightning/logger{index}/version"
+WANDB_FLUSH_ENV = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"  # wandb's x_transaction_log_flush_interval
+WANDB_FLUSH_S = 1.0
+
+
+class LogKeeper:
+    """Keeps the loggers of one ``fit()`` continuous across trainer processes (module doc)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}  # CSVLogger index in trainer.loggers -> rows in its metrics.csv
+        self.logged_recoveries: set[int] = set()  # generations whose recovery metrics were logged
+        self.recovered_total = 0
+        self.reader: EventReader | None = None
+        self.pending: dict | None = None  # step metrics of the resumed batch, still to be logged
+        self.ckpt_step = 0  # global step of the newest checkpoint file when this process resumed
+        self.active = False
+
+    # -- before Lightning creates the loggers' experiments (setup_environment) --------------
+    def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink", rank: int) -> None:
+        self.active = True
+        resumes = link.resumes
+        for index, logger in enumerate(trainer.loggers):
+            if getattr(logger, "_version", "") is None:
+                key = VERSION_KEY.format(index=index)
+                if rank == 0 and not resumes:
+                    value = link.publish_once(key, str(logger.version))
+                else:
+                    value = link.wait_value(key)
+                logger._version = int(value) if value.isdigit() else value
+            if type(logger).__name__ == "WandbLogger" and logger._experiment is None:
+                # Trainers die by SIGKILL here by design (every HOF stops every active trainer):
+                # wandb's default 15 s between writes of its run file would lose that much history.
+                os.environ.setdefault(WANDB_FLUSH_ENV, str(WANDB_FLUSH_S))
+            if isinstance(logger, CSVLogger) and rank == 0:
+                self._count_rows(index, logger)
+                if resumes and logger._experiment is None:
+                    logger._experiment = _writer_keeping_file(logger.log_dir)
+        if rank == 0:
+            self.reader = EventReader(link.run_dir)
+
+    def _count_rows(self, index: int, logger: CSVLogger) -> None:
+        self.rows.setdefault(index, 0)
+        if getattr(logger, "_leto_counted", False):
+            return
+        log_metrics = logger.log_metrics
+
+        def counted(metrics: dict, step: int | None = None) -> None:
+            log_metrics(metrics, step)
+            self.rows[index] = self.rows.get(index, 0) + 1
+
+        logger.log_metrics = counted  # type: ignore[method-assign]
+        logger._leto_counted = True
+
+    # -- the resume payload ----------------------------------------------------------------
+    def state(self, trainer: "pl.Trainer", kind: str) -> dict[str, Any] | None:
+        if not self.active:
+            return None
+        return {"csv_rows": dict(self.rows), "recoveries": sorted(self.logged_recoveries),
+                "recovered": self.recovered_total,
+                "pending": pending_step_metrics(trainer) if kind in ("prepare", "batch_end") else None}
+
+    def continue_from(self, trainer: "pl.Trainer", payload: Any) -> None:
+        """A resumed process: cut CSV files back to the payload's rows, remember what was logged."""
+        if not self.active:
+            return
+        logs = (payload or {}).get("logs") or {}
+        rows = logs.get("csv_rows", {})
+        for index, logger in enumerate(trainer.loggers):
+            if isinstance(logger, CSVLogger) and index in self.rows:
+                self.rows[index] = _truncate(logger.experiment, rows.get(index, 0))
+        self.logged_recoveries = set(logs.get("recoveries", []))
+        self.recovered_total = int(logs.get("recovered", 0))
+        self.pending = logs.get("pending")
+
+    def on_train_start(self, trainer: "pl.Trainer") -> None:
+        """Log the step metrics the predecessor never logged; note the newest checkpoint."""
+        if not self.active:
+            return
+        steps = [getattr(cb, "_last_global_step_saved", 0) for cb in trainer.checkpoint_callbacks]
+        self.ckpt_step = max(steps, default=0)
+        pending, self.pending = self.pending, None
+        if pending:
+            trainer._logger_connector.log_metrics(dict(pending["metrics"], epoch=pending["epoch"]), step=pending["step"])
+
+    # -- recovery metrics --------------------------------------------------------------------
+    def log_recoveries(self, trainer: "pl.Trainer") -> int:
+        """Log the recoveries the agent finished since the last call (global rank 0)."""
+        if self.reader is None:
+            return 0
+        self.reader.poll()
+        logged = 0
+        for event in finished_recoveries(self.reader.events):
+            if event["generation"] in self.logged_recoveries:
+                continue
+            kept = max(0, int(event.get("resume_iteration", 0)) - self.ckpt_step)
+            metrics = metrics_for(event, self.reader.events, kept, self.recovered_total)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+                logger.save()
+            self.logged_recoveries.add(event["generation"])
+            self.recovered_total += kept
+            logged += 1
+        return logged
+
+    def finish(self, trainer: "pl.Trainer", wait_s: float = 5.0) -> str | None:
+        """End of ``fit()`` on global rank 0: log what is left and print the summary table."""
+        if self.reader is None:
+            return None
+        deadline = time.time() + wait_s
+        while True:  # the last recovery's books close once every rank finished a step after it
+            self.reader.poll()
+            started = sum(1 for e in self.reader.events if e["event"] == "recovery_started")
+            closed = sum(1 for e in self.reader.events if e["event"] in ("recovery_finished", "recovery_failed",
+                                                                            "fallback_checkpoint"))
+            if closed >= started or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        self.log_recoveries(trainer)
+        table = summary_table(self.reader.events, now=time.time())
+        print(table, flush=True)
+        return table
+
+
+def pending_step_metrics(trainer: "pl.Trainer") -> dict[str, Any] | None:
+    """What ``update_train_step_metrics`` will log after this batch (None: nothing)."""
+    connector = trainer._logger_connector
+    if trainer.fit_loop._should_accumulate() or not (connector.should_update_logs or trainer.fast_dev_run):
+        return None
+    if trainer._results is None or connector._first_loop_iter is None:
+        return None
+    metrics = connector.metrics["log"]
+    if not metrics:
+        return None
+    return {"metrics": {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()},
+            "step": trainer.fit_loop.epoch_loop._batches_that_stepped, "epoch": trainer.current_epoch}
+
+
+def _writer_keeping_file(log_dir: str) -> ExperimentWriter:
+    """``CSVLogger``'s writer without its deletion of an existing ``metrics.csv``."""
+    writer = ExperimentWriter.__new__(ExperimentWriter)
+    writer._check_log_dir_exists = lambda: None  # type: ignore[method-assign]
+    ExperimentWriter.__init__(writer, log_dir)
+    return writer
+
+
+def _truncate(writer: Any, rows: int) -> int:
+    """Keep the header and the first ``rows`` rows of the writer's file; returns the rows kept."""
+    path = writer.metrics_file_path
+    writer.metrics = []
+    if not os.path.isfile(path):
+        writer.metrics_keys = []
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        kept = [row for _, row in zip(range(rows), reader)]
+    tmp = path + ".leto-tmp"
+    with open(tmp, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=header)
+        out.writeheader()
+        out.writerows(kept)
+    os.replace(tmp, path)
+    writer.metrics_keys = sorted(header)
+    return len(kept)

@@ -1,0 +1,148 @@
+"""Recovery metrics for Lightning's loggers, read from the agent's ``events.jsonl``.
+
+The agent writes one ``recovery_finished`` event per in-place recovery (docs/events.md) once
+every rank completed its first step after resuming. ``LetoStrategy`` (global rank 0) reads the
+new events at the start of training batches and logs, per recovery, at the current step:
+
+==================================  ===========================================================
+``leto/recovery/<part>_s``          the breakdown: detect, stop, attach_repair, init, resume,
+                                    recompute (seconds)
+``leto/recovery/total_s``           failure -> first completed step after it
+``leto/recovery/first_iteration_s`` resumed -> first completed step
+``leto/recovery/generation``        the generation the recovery opened
+``leto/recovery/failed_iteration``  the step the failure interrupted (last heartbeat)
+``leto/recovery/resume_iteration``  the first step after the recovery
+``leto/recovery/kept_iterations``   steps a restart from the newest checkpoint file would have
+                                    redone (resume_iteration - its global step; 0 if none)
+``leto/recoveries``                 recoveries finished so far
+``leto/hof_count``                  failures classified as HOF so far
+``leto/recovered_iterations``       sum of ``kept_iterations`` so far
+``leto/ettr``                       running effective training time ratio:
+                                    1 - sum(total_s) / (event time - job start)
+==================================  ===========================================================
+
+Which recoveries a run has logged is part of the resume payload, so a trainer that resumes
+re-logs exactly the ones its predecessor logged after its last recorded payload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ...runtime.events import EVENTS_FILE
+
+BREAKDOWN = ("detect", "stop", "attach_repair", "init", "resume", "recompute")
+
+
+@dataclass
+class EventReader:
+    """Reads ``events.jsonl`` incrementally (complete lines only)."""
+
+    run_dir: str
+    events: list[dict] = field(default_factory=list)
+    _offset: int = 0
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.run_dir, EVENTS_FILE)
+
+    def poll(self) -> list[dict]:
+        """The events appended since the last call."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return []
+        if size <= self._offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        new = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        self._offset += end
+        self.events.extend(new)
+        return new
+
+
+def finished_recoveries(events: Iterable[dict]) -> list[dict]:
+    """``recovery_finished`` events of recoveries that reached their first step."""
+    return [e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")]
+
+
+def job_start(events: Iterable[dict]) -> float | None:
+    return next((e["time"] for e in events if e["event"] == "job_started"), None)
+
+
+def metrics_for(event: dict, events: list[dict], kept_iterations: int, recovered_before: int) -> dict[str, float]:
+    """The logged metrics of one ``recovery_finished`` event (module doc)."""
+    upto = [e for e in events if e["time"] <= event["time"]]
+    done = finished_recoveries(upto)
+    breakdown = event.get("breakdown", {})
+    out: dict[str, float] = {f"leto/recovery/{k}_s": float(breakdown.get(k, 0.0)) for k in BREAKDOWN}
+    out.update({
+        "leto/recovery/total_s": float(event.get("total_s") or 0.0),
+        "leto/recovery/first_iteration_s": float(event.get("first_iteration_s") or 0.0),
+        "leto/recovery/generation": float(event["generation"]),
+        "leto/recovery/failed_iteration": float(event["failed_iteration"] if event.get("failed_iteration") is not None
+                                                else -1),
+        "leto/recovery/resume_iteration": float(event.get("resume_iteration", -1)),
+        "leto/recovery/kept_iterations": float(kept_iterations),
+        "leto/recoveries": float(len(done)),
+        "leto/hof_count": float(sum(1 for e in upto if e["event"] == "classification" and e.get("hof"))),
+        "leto/recovered_iterations": float(recovered_before + kept_iterations),
+    })
+    start = job_start(upto)
+    if start is not None and event["time"] > start:
+        lost = sum(float(e.get("total_s") or 0.0) for e in done)
+        out["leto/ettr"] = max(0.0, 1.0 - lost / (event["time"] - start))
+    return out
+
+
+def summary_rows(events: list[dict]) -> list[dict[str, Any]]:
+    rows = []
+    for e in events:
+        if e["event"] != "recovery_finished":
+            continue
+        b = e.get("breakdown", {})
+        rows.append({"gen": e["generation"], "failed it": e.get("failed_iteration"),
+                     "resumed it": e.get("resume_iteration"), "via": e.get("promoted"),
+                     **{k: b.get(k) for k in BREAKDOWN},
+                     "total": e.get("total_s"), "status": "interrupted" if e.get("interrupted") else "ok"})
+    return rows
+
+
+def summary_table(events: list[dict], now: float | None = None) -> str:
+    """A plain-text table of every recovery of the job so far, with totals and ETTR."""
+    rows = summary_rows(events)
+    hofs = sum(1 for e in events if e["event"] == "classification" and e.get("hof"))
+    non_hof = sum(1 for e in events if e["event"] == "classification" and not e.get("hof"))
+    fallbacks = sum(1 for e in events if e["event"] == "fallback_checkpoint")
+    lines = ["Leto recoveries (seconds)"]
+    if rows:
+        cols = list(rows[0])
+        cells = [[_fmt(r[c]) for c in cols] for r in rows]
+        widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+        lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+        lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in cells]
+    else:
+        lines.append("  (none)")
+    done = finished_recoveries(events)
+    lost = sum(float(e.get("total_s") or 0.0) for e in done)
+    start = job_start(events)
+    tail = f"HOFs: {hofs}  non-HOF failures: {non_hof}  checkpoint restarts: {fallbacks}  " \
+           f"in-place recoveries: {len(done)}  time lost: {lost:.2f} s"
+    if start is not None and now is not None and now > start:
+        tail += f"  ETTR: {max(0.0, 1 - lost / (now - start)):.4f} over {now - start:.1f} s"
+    lines.append(tail)
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)

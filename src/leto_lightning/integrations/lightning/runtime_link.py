@@ -1,0 +1,180 @@
+"""``LetoStrategy`` under ``leto launch``: the trainer's side of the runtime contract.
+
+The contract (docs/runtime.md; ``examples/plain_ddp.py`` follows it by hand) and where the
+strategy meets each part:
+
+1. ``runtime.init()`` connects to the agent's TCPStore -- ``setup_environment``. Shadows at
+   level 1 or 2 block there until promoted.
+2. The process group comes from ``Session.init_process_group`` (a prefix store per generation
+   or shadow set) -- ``setup_distributed``; Lightning's ``_init_dist_connection`` never runs
+   (it would create a second TCPStore on the agent's port).
+3. The active trainers of generation 0 create the retained stores, encode tier 2 and set
+   ``STORE_READY``; shadows and cold restarts (``LETO_RESUME=retained``) attach, bind the
+   views (``bind(adopt=True, resume=False)``), wait for promotion fully built (level 3), then
+   ``resume()`` -- ``configure_ddp``. ``RESUMED`` is set once Lightning has restored the loop,
+   RNG and data position (``on_train_start``).
+4. Heartbeats ``compute`` / ``update`` / ``done`` per optimizer step, ``point("compute.begin")``
+   at every training batch, ``FIRST_DONE`` after the first step of a generation; a heartbeat
+   during validation at most every ``heartbeat_interval``.
+5. The prepare barrier is the session's flag all-reduce.
+
+One ``Session`` per process (module global): a second ``fit()`` reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...faults.points import point
+from ...runtime import keys
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...runtime.session import Session
+
+_SESSION: "Session | None" = None
+_IMPORTED_AT = time.time()
+
+
+def session() -> "Session":
+    """This process's session with the agent (connects on first use; L1/L2 shadows wait here)."""
+    global _SESSION
+    if _SESSION is None:
+        from ... import runtime
+
+        _SESSION = runtime.init()
+    return _SESSION
+
+
+def process_start_time() -> float:
+    """When this process started (Linux /proc; elsewhere: when this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):  # pragma: no cover - not Linux
+        return _IMPORTED_AT
+
+
+class RuntimeLink:
+    """What ``LetoStrategy`` says to, and asks of, the agent (module doc)."""
+
+    def __init__(self, heartbeat_interval: float) -> None:
+        self.heartbeat_interval = heartbeat_interval
+        self.session: "Session | None" = None
+        self._first_done = False
+        self._resume_started: float | None = None
+        self._resume_iteration: int | None = None
+        self._last_beat = 0.0
+
+    # -- who this process is ---------------------------------------------------------------
+    def connect(self) -> "Session":
+        if self.session is None:
+            self.session = session()
+        return self.session
+
+    @property
+    def env(self):
+        return self.connect().env
+
+    @property
+    def resumes(self) -> bool:
+        """This process continues from retained memory: a shadow, or a cold restart (read from
+        the environment: deciding this needs no connection to the agent)."""
+        return os.environ.get("LETO_ROLE") == "shadow" or os.environ.get("LETO_RESUME", "") == "retained"
+
+    @property
+    def run_dir(self) -> str:
+        return self.env.run_dir
+
+    # -- process group and store ----------------------------------------------------------------
+    def init_process_group(self, backend: str, timeout_s: float) -> None:
+        """Under the session's prefix: ``g<generation>`` for actives, ``s<shadow set>`` for shadows."""
+        self.connect().init_process_group(backend, timeout=timeout_s)
+
+    def barrier(self) -> None:
+        self.connect().barrier()
+
+    def store_ready(self) -> None:
+        """A new store is created and encoded (tier 2 included): shadows may attach."""
+        env = self.env
+        self.connect().store.set(keys.STORE_READY.format(job=env.job_id, rank=env.rank), "1")
+
+    def wait_for_store(self) -> None:
+        self.connect()._wait_for_store()
+
+    def wait_for_promotion(self) -> None:
+        """A level-3 shadow waits here fully built; afterwards the resume clock runs."""
+        s = self.connect()
+        s.wait_for_promotion()
+        point("promotion.resume")
+        self._resume_started = time.time()
+
+    def resumed(self, iteration: int) -> None:
+        """Tell the agent this rank resumed (loop, RNG and data position restored)."""
+        s = self.connect()
+        now = time.time()
+        t1 = self._resume_started if self._resume_started is not None else now
+        start = s.promoted_at if s.promoted_at is not None else process_start_time()
+        s.store.set(keys.RESUMED.format(gen=s.env.generation, rank=s.rank),
+                    json.dumps({"init_s": max(0.0, t1 - start), "resume_s": now - t1, "iteration": iteration,
+                                "t": now}))
+        self._resume_started = None
+
+    @property
+    def resume_pending(self) -> bool:
+        return self._resume_started is not None
+
+    # -- progress --------------------------------------------------------------------------------
+    def batch_start(self, iteration: int) -> None:
+        self.connect().heartbeat(iteration, "compute")
+        self._last_beat = time.time()
+        point("compute.begin", iteration=iteration)
+
+    def update_start(self, iteration: int) -> None:
+        self.connect().heartbeat(iteration, "update")
+
+    def step_done(self, iteration: int) -> None:
+        s = self.connect()
+        s.heartbeat(iteration, "done")
+        self._last_beat = time.time()
+        if not self._first_done:  # the agent closes a recovery's books on this
+            self._first_done = True
+            s.store.set(keys.FIRST_DONE.format(gen=s.env.generation, rank=s.rank), str(time.time()))
+
+    def alive(self, iteration: int, phase: str) -> None:
+        """Between steps (validation, checkpoints): a heartbeat at most every interval."""
+        now = time.time()
+        if now - self._last_beat >= self.heartbeat_interval:
+            self.connect().heartbeat(iteration, phase)
+            self._last_beat = now
+
+    def report_exception(self, exception: BaseException) -> None:
+        s = self.connect()
+        try:
+            s.store.set(keys.EXCEPTION.format(pid=os.getpid()), f"{type(exception).__name__}: {exception}")
+        except Exception:  # pragma: no cover - the agent is gone; nothing to tell
+            pass
+
+    # -- small key-value agreement between the job's processes -------------------------------
+    def publish_once(self, key: str, value: str) -> str:
+        """The first value ever published under ``key`` in this job (first writer wins)."""
+        got = self.connect().store.compare_set(key, "", value)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    def wait_value(self, key: str, timeout_s: float = 600.0) -> str:
+        from datetime import timedelta
+
+        store = self.connect().store
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=5))
+                return store.get(key).decode()
+            except Exception as exc:  # a wait timeout: the publisher is still starting
+                if "timeout" not in str(exc).lower() or time.time() > deadline:
+                    raise
