@@ -1,0 +1,202 @@
+"""An unchanged Lightning script (``examples/lightning_tiny.py``, ``Trainer(strategy="leto",
+devices=2, accelerator="cpu")``) under ``leto launch --nproc-per-node 2``: real processes,
+real SIGKILLs, gloo on CPU.
+
+- fault-free, it is bit-identical to the same script under Lightning's own DDP (weights,
+  optimizer state, every logged loss);
+- HOFs at seeded random points -- mid-update, right after a checkpoint save, during
+  validation, at an epoch boundary, on both ranks at once -- each recovered in place by
+  promoting the shadows; weights, optimizer state and the CSVLogger loss series equal the
+  fault-free run's, and the recovery metrics reach CSVLogger and wandb (offline);
+- an active trainer SIGKILLed from outside (its pid from ``events.jsonl``): the same.
+
+Runs take 15-90 s each (2 cores: four trainer processes start at once).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from launch_job import (Run, ddp_reference, events, finish, launch, same_state, start, wait_for, wandb_history)
+
+STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
+# checkpoints (every 7 steps, plus last.ckpt) after steps 6, 13, 20, 27, 34
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """The fault-free run under ``leto launch`` every faulty run must match bit for bit."""
+    run = launch(tmp_path_factory.mktemp("reference") / "run", STEPS, extra_script=["--wandb"])
+    assert run.returncode == 0, run.output[-4000:]
+    assert not run.of("failure_detected")
+    return run
+
+
+def test_fault_free_launch_equals_lightning_ddp(reference: Run, tmp_path) -> None:
+    """No failure: LetoStrategy under leto launch trains exactly like Lightning's DDP."""
+    ddp = ddp_reference(tmp_path / "ddp", STEPS)
+    assert ddp.returncode == 0, ddp.output[-4000:]
+    for rank in range(2):
+        assert same_state(reference.final(rank), ddp.final(rank)) == [], f"rank {rank}"
+    assert same_state(reference.final(0), reference.final(1)) == []  # DDP keeps the ranks equal
+    series = reference.loss_series()
+    assert series == ddp.loss_series()
+    train = [float(s[2]) for s in series if s[2]]
+    assert len(train) == STEPS  # one train_loss row per step
+    assert train[-1] < train[0] - 0.5  # it learns
+    assert "in-place recoveries: 0" in reference.output and "ETTR: 1.0000" in reference.output
+    assert {e["event"] for e in reference.events} >= {"job_started", "shadow_level", "job_finished"}
+
+
+def _hof_faults(seed: int) -> list[dict]:
+    """Five HOFs at seeded random occurrences; each strikes once a fresh shadow set is ready."""
+    rng = random.Random(seed)
+    plan = [  # (ranks, point, iterations, occurrences per iteration)
+        ([1], "chunk.math_done", (2, 4), 7),  # mid-update (7 chunks per step with 16 KiB pages)
+        ([0], "lightning.after_checkpoint", (13, 13), 2),  # right after a save (step-14 file, then last.ckpt)
+        ([1], "lightning.validation", (24, 24), 2),  # during a mid-epoch validation
+        ([0], "lightning.epoch_end", (29, 29), 1),  # at an epoch boundary
+        ([0, 1], "chunk.tier2_partial", (33, 36), 4),  # both ranks at once, mid-parity-update
+    ]
+    faults = []
+    for ranks, point, (lo, hi), most in plan:
+        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
+        for r in ranks:
+            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
+                           "wait_shadows": True})
+    return faults
+
+
+def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_path) -> None:
+    faults = _hof_faults(seed=int(os.environ.get("LETO_SEED", "0")))
+    run = launch(tmp_path / "run", STEPS, faults=faults, extra_script=["--wandb"])
+    assert run.returncode == 0, run.output[-4000:]
+    finished = [e for e in run.of("recovery_finished") if not e.get("interrupted")]
+    assert len(finished) == 5, [(e["event"], e.get("reason")) for e in run.events]
+    assert all(e["promoted"] == "shadow" for e in finished)
+    assert not run.of("fallback_checkpoint") and not run.of("cold_start")
+    assert [e["signal"] for e in run.of("failure_detected")] == [signal.SIGKILL] * 5
+    for e in finished:  # at most the interrupted step is recomputed
+        assert e["resume_iteration"] >= e["failed_iteration"]
+        assert e["breakdown"]["init"] < 0.5  # a level-3 shadow waits fully built
+    for rank in range(2):
+        assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    assert run.loss_series() == reference.loss_series()  # CSVLogger: every loss, once, in order
+
+    # the recovery metrics: one CSV row per recovery, and the summary table
+    rows = run.recovery_rows()
+    assert [float(r["leto/recovery/generation"]) for r in rows] == [float(e["generation"]) for e in finished]
+    assert [float(r["leto/hof_count"]) for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    for row, event in zip(rows, finished):
+        assert float(row["leto/recovery/total_s"]) == pytest.approx(event["total_s"])
+        assert float(row["leto/recovery/detect_s"]) == pytest.approx(event["breakdown"]["detect"])
+        assert float(row["leto/recovery/resume_iteration"]) == event["resume_iteration"]
+        assert 0.0 < float(row["leto/ettr"]) < 1.0
+    assert float(rows[-1]["leto/recovered_iterations"]) > 0
+    assert "in-place recoveries: 5" in run.output and "HOFs: 5" in run.output
+
+    # wandb (offline): the runs of the processes that logged them hold the same metrics
+    history = [row for rows_ in wandb_history(run.run_dir).values() for row in rows_]
+    logged = [row for row in history if "leto/recovery/total_s" in row]
+    assert sorted(row["leto/recovery/generation"] for row in logged) == [e["generation"] for e in finished]
+    assert max(row["leto/hof_count"] for row in logged) == 5
+    wandb_losses = {row["trainer/global_step"]: row["train_loss"] for row in history if "train_loss" in row}
+    assert wandb_losses == {int(s[0]): float(s[2]) for s in reference.loss_series() if s[2]}
+
+
+def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None:
+    """Someone else kills an active trainer (found through events.jsonl): recovered in place."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start(run_dir, STEPS, extra_script=["--sleep", "0.15"])
+    try:
+        metrics = run_dir / "csv" / "version_0" / "metrics.csv"
+        wait_for(lambda: any(e["event"] == "shadow_level" and e.get("reason") == "ready" for e in events(run_dir))
+                 and metrics.exists() and sum(1 for _ in open(metrics)) > 12, 150, "shadows ready and step 12")
+        victim = [e["pid"] for e in events(run_dir) if e["event"] == "process_started" and e["role"] == "active"
+                  and e["rank"] == 1][-1]
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    run = finish(proc, run_dir)
+    assert run.returncode == 0, run.output[-4000:]
+    (failure,) = run.of("failure_detected")
+    assert failure["pid"] == victim and failure["signal"] == signal.SIGKILL
+    (done,) = run.of("recovery_finished")
+    assert done["promoted"] == "shadow"
+    for rank in range(2):
+        assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    assert run.loss_series() == reference.loss_series()
+    assert len(run.recovery_rows()) == 1
+
+
+# -- without launching anything -------------------------------------------------------------------
+def _trainer(devices: int):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(strategy="leto", devices=devices, accelerator="cpu", logger=False, enable_progress_bar=False)
+
+
+_RANK_ENV = ("LETO_ROLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID", "GROUP_RANK", "NODE_RANK")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in _RANK_ENV:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_launchers_that_kill_every_rank_are_refused_at_trainer(clean_env) -> None:
+    """`python train.py` with devices=2 (Lightning's launcher) and torchrun: refused when the
+    Trainer is built, naming the command that works."""
+    with pytest.raises(RuntimeError, match=r"does not start ranks.*`leto launch --nproc-per-node 2 "):
+        _trainer(2)
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        clean_env.setenv(key, value)
+    with pytest.raises(RuntimeError, match=r"torchrun.*`leto launch --nproc-per-node 2 "):
+        _trainer(2)
+
+
+def test_trainer_devices_must_match_leto_launch(clean_env) -> None:
+    for key, value in dict(LETO_ROLE="active", RANK="0", LOCAL_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+                           MASTER_PORT="1").items():
+        clean_env.setenv(key, value)
+    with pytest.raises(ValueError, match=r"asks for 2 ranks.*WORLD_SIZE=4.*--nproc-per-node \(4\)"):
+        _trainer(2)
+    trainer = _trainer(4)  # nothing connects before fit()
+    assert type(trainer.strategy.cluster_environment).__name__ == "LetoEnvironment"
+    assert trainer.strategy.cluster_environment.creates_processes_externally
+
+
+def test_recovery_metrics_and_summary_from_events() -> None:
+    from leto_lightning.integrations.lightning.recovery_metrics import metrics_for, summary_table
+
+    t0 = 1000.0
+    events = [
+        {"time": t0, "event": "job_started", "generation": 0},
+        {"time": t0 + 10, "event": "classification", "generation": 0, "hof": True},
+        {"time": t0 + 11, "event": "recovery_finished", "generation": 1, "total_s": 1.0, "first_iteration_s": 0.2,
+         "resume_iteration": 12, "failed_iteration": 11, "promoted": "shadow",
+         "breakdown": {"detect": 0.1, "stop": 0.1, "attach_repair": 0.2, "init": 0.0, "resume": 0.3, "recompute": 0.1}},
+        {"time": t0 + 30, "event": "classification", "generation": 1, "hof": True},
+        {"time": t0 + 31, "event": "recovery_finished", "generation": 2, "interrupted": True, "breakdown": {},
+         "resume_iteration": 20, "failed_iteration": 20},
+    ]
+    m = metrics_for(events[2], events, kept_iterations=5, recovered_before=3)
+    assert m["leto/recovery/total_s"] == 1.0 and m["leto/recovery/resume_s"] == 0.3
+    assert m["leto/hof_count"] == 1 and m["leto/recoveries"] == 1
+    assert m["leto/recovered_iterations"] == 8 and m["leto/recovery/kept_iterations"] == 5
+    assert m["leto/ettr"] == pytest.approx(1 - 1.0 / 11)
+    table = summary_table(events, now=t0 + 40)
+    assert "HOFs: 2" in table and "in-place recoveries: 1" in table and "interrupted" in table
+    assert "ETTR: 0.9750" in table
