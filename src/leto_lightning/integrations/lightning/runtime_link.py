@@ -53,10 +53,10 @@ def process_start_time() -> float:
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):  # pragma: no cover - not Linux
+        with open("/proc/uptime") as f:  # not /proc/stat's btime: whole seconds only
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
         return _IMPORTED_AT
 
 
