@@ -248,6 +248,8 @@ def main() -> None:
         logits = model(torch.nn.functional.dropout(torch.ones(1), 0.5).sum().mul(0).long() + x)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
+        if args.sleep:  # stands for compute time: inside the compute phase, redone on recompute
+            time.sleep(args.sleep)
         for q in model.parameters():
             dist.all_reduce(q.grad)
             q.grad.div_(world)
@@ -256,8 +258,6 @@ def main() -> None:
         if args.checkpoint_every and (it + 1) % args.checkpoint_every == 0:
             save(it + 1)
             timeline.mark("saved", iteration=it + 1)
-        if args.sleep:
-            time.sleep(args.sleep)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -61,6 +61,8 @@ def main() -> None:
         logits = model(torch.nn.functional.dropout(torch.ones(1), 0.5).sum().mul(0).long() + x)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
+        if args.sleep:  # stands for compute time: inside the compute phase, redone on recompute
+            time.sleep(args.sleep)
         train.all_reduce_grads()
         train.step(payload={"rng": torch.get_rng_state(), "it": it, "loss": loss.item()})
         losses.write(json.dumps({"it": it, "loss": loss.item(), "gen": session.env.generation}) + "\n")
@@ -68,8 +70,6 @@ def main() -> None:
         if args.checkpoint_every and (it + 1) % args.checkpoint_every == 0:
             session.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "iteration": it + 1,
                                      "payload": {"rng": torch.get_rng_state()}})
-        if args.sleep:
-            time.sleep(args.sleep)
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "optimizer": opt.state_dict()},
                os.path.join(session.env.run_dir, f"final_rank{session.rank}.pt"))
     train.finish()

@@ -75,6 +75,7 @@ class Agent(RecoveryMixin):
         self.shadows: dict[int, TrainerProcess] = {}
         self.failure_times: deque[float] = deque()
         self.pending_recovery: dict | None = None
+        self._shadows_due = False
         self._heartbeats: dict[int, tuple[bytes, float]] = {}
         self._stop_signal: int | None = None
         self._last_poll = time.time()

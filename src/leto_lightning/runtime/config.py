@@ -52,6 +52,9 @@ class RuntimeConfig:
     extra_rules:       classification rules tried before the defaults (e.g. an exit code
                        that means "device lost").
     unknown_is_hof:    what an exit no rule matches counts as.
+    defer_shadow_restart: start the next shadow set only after the first iteration after a
+                       recovery completed -- on hosts with few cores a new shadow's imports
+                       otherwise slow exactly that iteration (measured: 0.75 s vs 0.44 s on 2 cores).
     """
 
     heartbeat_timeout: float = 60.0
@@ -63,6 +66,7 @@ class RuntimeConfig:
     extra_rules: tuple[ClassificationRule, ...] = ()
     unknown_is_hof: bool = True
     shadows: bool = True
+    defer_shadow_restart: bool = True
     rules: tuple[ClassificationRule, ...] = field(default_factory=default_rules)
 
     def __post_init__(self) -> None:

@@ -120,7 +120,10 @@ class RecoveryMixin:
                                      recomputes=bool(lost and resume_it <= failure.iteration), promoted=promoted,
                                      t_resumed=max(i["t"] for i in outcome.values()),
                                      repair=[r.summary() for r in reports.values()])
-        self._start_shadows()  # in the background: training goes on meanwhile
+        if self.config.defer_shadow_restart:
+            self._shadows_due = True  # started once the first iteration after resuming completed
+        else:
+            self._start_shadows()  # in the background: training goes on meanwhile
         return None
 
     def _recover_retained(self) -> dict:
@@ -191,6 +194,9 @@ class RecoveryMixin:
                          first_iteration_s=round(first, 4), total_s=round(now - rec["t_fail"], 4),
                          resume_iteration=rec["resume_iteration"], failed_iteration=rec["failed_iteration"],
                          promoted=rec["promoted"], repair=rec["repair"])
+        if self._shadows_due:
+            self._shadows_due = False
+            self._start_shadows()
         print(f"[leto] recovered in place (generation {self.generation}): resumed at iteration "
               f"{rec['resume_iteration']}, {now - rec['t_fail']:.2f} s to the first iteration after the failure "
               f"{breakdown}", file=self.out, flush=True)
