@@ -8,7 +8,8 @@ real SIGKILLs, gloo on CPU.
   validation, at an epoch boundary, on both ranks at once -- each recovered in place by
   promoting the shadows; weights, optimizer state and the CSVLogger loss series equal the
   fault-free run's, and the recovery metrics reach CSVLogger and wandb (offline);
-- an active trainer SIGKILLed from outside (its pid from ``events.jsonl``): the same.
+- an active trainer SIGKILLed from outside (its pid from ``events.jsonl``): the same;
+- a failure declared not a HOF: every rank restarts from the last checkpoint file: the same.
 
 Runs take 15-90 s each (2 cores: four trainer processes start at once).
 """
@@ -134,6 +135,23 @@ def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None
         assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
     assert run.loss_series() == reference.loss_series()
     assert len(run.recovery_rows()) == 1
+
+
+def test_non_hof_failure_restarts_from_the_last_checkpoint_file(reference: Run, tmp_path) -> None:
+    """A failure declared not a HOF: every trainer restarts with LETO_RESUME=checkpoint and the
+    script's fit(ckpt_path="last") resumes from the file saved after step 20 -- bit-identical,
+    with the same CSV loss series (the file carries the Leto payload: RNG, data position, rows)."""
+    faults = [{"id": 0, "rank": 1, "iteration": 23, "point": "compute.begin", "action": "exit", "code": 43}]
+    run = launch(tmp_path / "run", STEPS, faults=faults, launch_extra=["--non-hof-exit-code", "43"])
+    assert run.returncode == 0, run.output[-4000:]
+    (verdict,) = run.of("classification")
+    assert verdict["hof"] is False
+    assert len(run.of("fallback_checkpoint")) == 1 and not run.of("recovery_finished")
+    assert [e.get("resume") for e in run.of("process_started") if e["role"] == "active"][-2:] == ["checkpoint"] * 2
+    for rank in range(2):
+        assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    assert run.loss_series() == reference.loss_series()
+    assert "checkpoint restarts: 1" in run.output
 
 
 # -- without launching anything -------------------------------------------------------------------

@@ -141,3 +141,26 @@ def test_checkpoint_and_early_stopping_state_survive(job: str, jobs, tmp_path) -
     assert differences(got, ref) == []
     assert got["callbacks"] == ref["callbacks"]
     assert "last.ckpt" in got["callbacks"]["ModelCheckpoint"]["files"]
+
+
+def test_resume_from_a_checkpoint_file(job: str, jobs, tmp_path) -> None:
+    """``fit(ckpt_path="last")`` -- what a script does on ``leto launch``'s slow path
+    (``LETO_RESUME=checkpoint``): a *new* store is filled from the file, and the Leto payload the
+    file carries (LetoLoopStateCallback's state: RNG, data position, loop) makes the resumed run
+    bit-identical to an uninterrupted one, although the file is three steps behind the crash."""
+    def config(directory: str, strategy: LetoStrategy, **kw) -> RunConfig:
+        callbacks = [ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1, save_last=True)]
+        return RunConfig(strategy=strategy, accumulate=1, val_check_interval=0.5,
+                         trainer_kwargs={"callbacks": callbacks, "enable_checkpointing": True}, **kw)
+
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref_losses, crash_losses = str(tmp_path / "ref_losses"), str(tmp_path / "losses")
+    ref_job, new_job = jobs(), jobs()
+    ref = run_in_child(lambda: fit(config(ref_dir, _leto(ref_job), loss_file=ref_losses))).value
+    crashed = run_in_child(lambda: fit(config(run_dir, _leto(job), loss_file=crash_losses)),
+                           kill_at=KillPoint("chunk.math_done", 20 * CHUNKS + 3))  # files after steps 3, ..., 18
+    assert crashed.killed
+    got = run_in_child(lambda: fit(config(run_dir, _leto(new_job), seed=5, ckpt_path="last",
+                                          loss_file=crash_losses))).value
+    assert differences(got, ref) == []
+    assert read_losses(crash_losses) == read_losses(ref_losses)  # steps 18-20 recomputed, same values

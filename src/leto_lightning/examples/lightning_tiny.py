@@ -6,7 +6,9 @@ Nothing in it is Leto-specific except ``strategy="leto"``: the same script runs 
 trainers and as their shadows, and survives HOFs in place. Deterministic on CPU: with and
 without failures it ends with bit-identical weights and optimizer state (``RUN_DIR/
 final_rank<r>.pt``) and the same logged loss series (``RUN_DIR/csv/version_0/metrics.csv``).
-``RUN_DIR`` is ``$LETO_RUN_DIR`` (set by ``leto launch``), else ``--out``.
+``RUN_DIR`` is ``$LETO_RUN_DIR`` (set by ``leto launch``), else ``--out``. After a failure that
+is not a HOF, ``leto launch`` restarts the script with ``LETO_RESUME=checkpoint``: it passes
+``ckpt_path="last"`` (a ModelCheckpoint every ``--checkpoint-every`` steps).
 
 The data is a fixed random Markov chain over the vocabulary, so the loss falls visibly.
 """
@@ -157,8 +159,11 @@ def main() -> None:
         logger=loggers, callbacks=callbacks, log_every_n_steps=1, val_check_interval=args.val_every,
         limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=1.0, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))
+    # leto launch's slow path (a failure that is not a HOF): restart from the last checkpoint file.
+    # (A promoted shadow ignores ckpt_path: it continues from retained memory.)
+    ckpt_path = "last" if os.environ.get("LETO_RESUME") == "checkpoint" and args.checkpoint_every else None
     trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True),
-                DataLoader(val, batch_size=args.batch_size))
+                DataLoader(val, batch_size=args.batch_size), ckpt_path=ckpt_path)
 
     os.makedirs(run_dir, exist_ok=True)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .resume import capture
+from .resume import capture, capturing
 
 if TYPE_CHECKING:  # pragma: no cover
     from .strategy import LetoStrategy
@@ -47,6 +47,23 @@ class LetoLoopStateCallback(Callback):
     def state_key(self) -> str:
         return "LetoLoopStateCallback"
 
+    def state_dict(self) -> dict[str, Any]:
+        """In a checkpoint file: the resume payload as of this save, so that ``fit(ckpt_path=
+        <file>)`` with LetoStrategy resumes exactly (RNG, data position, logged rows), not only
+        with Lightning's own loop state. Empty inside a payload and outside ``fit``."""
+        strategy = self._strategy
+        if strategy is None or capturing() or not strategy.retained_active:
+            return {}
+        trainer = strategy.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return {}
+        # Inside a training batch (a ModelCheckpoint save in on_train_batch_end): its step
+        # metrics are not logged yet; elsewhere (validation, epoch end) they are.
+        return {"payload": capture(trainer, "batch_end" if strategy.batch_open else "validation_end")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here: ``LetoStrategy.load_checkpoint`` uses the payload."""
+
     def payload_at_prepare(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The transaction's ``payload_fn``: called at prepare, inside the optimizer step."""
         return capture(trainer, "prepare")
@@ -57,6 +74,7 @@ class LetoLoopStateCallback(Callback):
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:
             return
+        strategy.batch_open = False
         if strategy.stepped_in_batch:
             strategy.record_payload(capture(trainer, "batch_end"))
             self.records += 1

@@ -4,7 +4,8 @@ Why: Lightning's own launcher (like torchrun) watches the ranks it started and k
 of them when one exits -- exactly the failure Leto recovers from in place. Ranks are started
 by ``leto launch``. The launcher is also the one place that sees ``fit()``'s arguments before
 Lightning resolves ``ckpt_path``: it turns ``LETO_RESUME=retained`` (and, under ``leto
-launch``, the shadow role) into ``ckpt_path="leto://retained"``.
+launch``, the shadow role) into ``ckpt_path="leto://retained"``, and resolves a checkpoint
+file ("last", "best", a path) the way Lightning will.
 
 Which launchers work (checked when the Trainer is built, ``check_launch``):
 
@@ -71,7 +72,7 @@ class LetoLauncher(_Launcher):
         check_launch(strategy)
         if getattr(function, "__name__", "") == "_fit_impl":
             bound = inspect.signature(function).bind(*args, **kwargs)
-            bound.arguments["ckpt_path"] = strategy.resolve_fit_ckpt_path(bound.arguments.get("ckpt_path"))
+            bound.arguments["ckpt_path"] = strategy.resolve_fit_ckpt_path(bound.arguments.get("ckpt_path"), trainer)
             args, kwargs = bound.args, bound.kwargs
         return function(*args, **kwargs)
 

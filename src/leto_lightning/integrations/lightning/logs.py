@@ -57,12 +57,14 @@ class LogKeeper:
         self.reader: EventReader | None = None
         self.pending: dict | None = None  # step metrics of the resumed batch, still to be logged
         self.ckpt_step = 0  # global step of the newest checkpoint file when this process resumed
+        self.kept: set[int] = set()  # CSVLoggers whose file this process continues (not recreates)
         self.active = False
 
     # -- before Lightning creates the loggers' experiments (setup_environment) --------------
     def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink", rank: int) -> None:
         self.active = True
         resumes = link.resumes
+        continues = resumes or os.environ.get("LETO_RESUME") == "checkpoint"  # the logs go on from a payload
         for index, logger in enumerate(trainer.loggers):
             if getattr(logger, "_version", "") is None:
                 key = VERSION_KEY.format(index=index)
@@ -77,8 +79,9 @@ class LogKeeper:
                 os.environ.setdefault(WANDB_FLUSH_ENV, str(WANDB_FLUSH_S))
             if isinstance(logger, CSVLogger) and rank == 0:
                 self._count_rows(index, logger)
-                if resumes and logger._experiment is None:
+                if continues and logger._experiment is None:
                     logger._experiment = _writer_keeping_file(logger.log_dir)
+                    self.kept.add(index)
         if rank == 0:
             self.reader = EventReader(link.run_dir)
 
@@ -104,14 +107,15 @@ class LogKeeper:
                 "pending": pending_step_metrics(trainer) if kind in ("prepare", "batch_end") else None}
 
     def continue_from(self, trainer: "pl.Trainer", payload: Any) -> None:
-        """A resumed process: cut CSV files back to the payload's rows, remember what was logged."""
+        """A resumed process (or a restart from a checkpoint file): cut the continued CSV files
+        back to the payload's rows (none without a payload), remember what was logged."""
         if not self.active:
             return
         logs = (payload or {}).get("logs") or {}
         rows = logs.get("csv_rows", {})
-        for index, logger in enumerate(trainer.loggers):
-            if isinstance(logger, CSVLogger) and index in self.rows:
-                self.rows[index] = _truncate(logger.experiment, rows.get(index, 0))
+        for index in sorted(self.kept):
+            self.rows[index] = _truncate(trainer.loggers[index].experiment, rows.get(index, 0))
+        self.kept.clear()
         self.logged_recoveries = set(logs.get("recoveries", []))
         self.recovered_total = int(logs.get("recovered", 0))
         self.pending = logs.get("pending")

@@ -71,10 +71,25 @@ def non_parameter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in module.state_dict().items() if k not in params}
 
 
+_capturing = False
+
+
+def capturing() -> bool:
+    """True while ``capture`` collects the callbacks' states (``LetoLoopStateCallback`` then
+    contributes nothing: its own state *is* a payload)."""
+    return _capturing
+
+
 def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
     """Everything outside retained memory that the resumed trainer needs (see module doc)."""
+    global _capturing
     if kind not in KINDS:
         raise ValueError(f"unknown payload kind {kind!r}")
+    _capturing = True
+    try:
+        callbacks = call._call_callbacks_state_dict(trainer)
+    finally:
+        _capturing = False
     module = trainer.lightning_module
     payload: dict[str, Any] = {
         "version": PAYLOAD_VERSION,
@@ -84,7 +99,7 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
         "rng": rng_states(),
         "param_groups": [hyperparameters(opt) for opt in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "callbacks": call._call_callbacks_state_dict(trainer),
+        "callbacks": callbacks,
         "precision": trainer.precision_plugin.state_dict(),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "buffers": non_parameter_state(module),

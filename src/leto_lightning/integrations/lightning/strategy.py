@@ -91,6 +91,9 @@ class LetoStrategy(DDPStrategy):
         self.clean_since_step = False
         self._proxy: torch.optim.Optimizer | None = None
         self._resume_next_fit = False
+        self._ckpt_file: Any = None  # fit(ckpt_path=<file>): Lightning's ckpt_path, resolved at configure_ddp
+        self._file_checkpoint: dict | None = None
+        self.batch_open = False  # between on_train_batch_start and the loop-state callback's batch end
         self._env_resume_used = False
         self._resume_payload: Any = None
         self._resumed = False
@@ -177,6 +180,8 @@ class LetoStrategy(DDPStrategy):
             return
         if self._resumed:
             self._resume_payload = ro.resume()
+        elif self.runtime is not None:  # a checkpoint restart continues the logs from the file's payload
+            self.logs.continue_from(trainer, self._resume_payload)
         super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
         if not self._resumed:
             # Checksums and parity of a new store describe what the broadcast left, not the
@@ -205,6 +210,7 @@ class LetoStrategy(DDPStrategy):
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
             self._resumed = True
         else:
+            iteration, self._resume_payload = self._load_checkpoint_file(trainer, optimizer)
             config = self.retained_config
             config.check_devices(self.num_processes)
             names = {p: n for n, p in module.named_parameters()}
@@ -212,11 +218,30 @@ class LetoStrategy(DDPStrategy):
                              layout_for(optimizer, config, names), config)
             store = _create_store(spec)
             ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
-            ro.bind(adopt=False)
+            # A checkpoint's weights and optimizer state move into the new store, which starts at
+            # its global step with its payload committed (a crash before the next step resumes there).
+            ro.bind(adopt=False, iteration=iteration, payload=self._resume_payload)
             self._resumed = False
         optimizer.zero_grad = ro.zero_grad  # in place: the gradients stay retained views
         self.retained = ro
         self._proxy = proxy_for(optimizer, self._retained_step)
+
+    def _load_checkpoint_file(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> tuple[int, Any]:
+        """``fit(ckpt_path=<file>)``: load weights and optimizer state *before* binding (the
+        bind copies them into retained memory). Returns (global step, resume payload or None)."""
+        self._file_checkpoint = None
+        path = self._ckpt_file  # resolved as Lightning resolves it (resolve_fit_ckpt_path)
+        if path is None:
+            return 0, None
+        ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=False)
+        if len(ckpt.get("optimizer_states", ())) != 1:
+            raise ValueError(f"{path}: LetoStrategy resumes a checkpoint of exactly one optimizer")
+        self.lightning_module.load_state_dict(ckpt["state_dict"], strict=self.lightning_module.strict_loading)
+        optimizer.load_state_dict(ckpt["optimizer_states"][0])
+        ckpt["leto_file"] = str(path)
+        self._file_checkpoint = ckpt
+        payload = (ckpt.get("callbacks", {}).get("LetoLoopStateCallback") or {}).get("payload")
+        return int(ckpt.get("global_step", 0)), payload
 
     def _encode_node_parity(self, store: RetainedStore) -> None:
         """Tier 2 spans the node's ranks: once every local rank has bound its store, local rank
@@ -298,6 +323,7 @@ class LetoStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.stepped_in_batch = False
+        self.batch_open = True
         trainer = self.lightning_module.trainer
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         for loader in list(self._train_loaders):
@@ -342,6 +368,14 @@ class LetoStrategy(DDPStrategy):
 
     # -- resume --------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        ckpt_file = self._file_checkpoint
+        if ckpt_file is not None and str(checkpoint_path) == ckpt_file["leto_file"]:
+            self._file_checkpoint = None  # weights and optimizer state are in retained memory already
+            if self._resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
+                return ckpt_file
+            ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
+            self._pending_rng = ckpt["leto"].get("rng")
+            return ckpt
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if not self._resumed or self.retained is None:
@@ -352,7 +386,7 @@ class LetoStrategy(DDPStrategy):
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if "leto" not in checkpoint:
+        if "leto" not in checkpoint and "leto_file" not in checkpoint:
             super().load_optimizer_state_dict(checkpoint)
             return
         # The state tensors are the retained views already: only hyper-parameters move.
@@ -363,6 +397,8 @@ class LetoStrategy(DDPStrategy):
         super().teardown()
         self._proxy = None
         self._resume_next_fit = False
+        self._ckpt_file = None
+        self._file_checkpoint = None
 
     def release(self, unlink: bool = False) -> None:
         """Drop this process's mappings; ``unlink=True`` also frees the job's retained memory
@@ -374,17 +410,25 @@ class LetoStrategy(DDPStrategy):
             store.close()
             self.retained = None
 
-    def resolve_fit_ckpt_path(self, ckpt_path: Any) -> Any:
+    def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: Optional["pl.Trainer"] = None) -> Any:
         """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
-        continues from retained memory; returns the ckpt_path Lightning should see."""
-        if ckpt_path is None and self._resume_requested() and not self._env_resume_used:
+        continues from retained memory, from a checkpoint file, or starts fresh; returns the
+        ckpt_path Lightning should see.
+
+        Under ``leto launch`` a shadow or cold restart continues from retained memory whatever
+        ``ckpt_path`` the script passes (a script that always says ``ckpt_path="last"`` works).
+        A file ("last", "best", a path) is resolved here exactly as Lightning resolves it, so
+        ``configure_ddp`` loads the file Lightning will restore the loops from."""
+        if (self._resume_requested() and not self._env_resume_used
+                and (ckpt_path is None or self.runtime is not None)):
             self._env_resume_used = True  # a shadow's first fit; later fits start normally
             ckpt_path = RETAINED_CKPT
-        if ckpt_path is not None and str(ckpt_path) != RETAINED_CKPT:
-            raise ValueError(f"ckpt_path={ckpt_path!r}: resuming a LetoStrategy run from a checkpoint file is not "
-                             "supported yet (its optimizer state would have to be re-bound to retained memory); "
-                             f"resume with ckpt_path={RETAINED_CKPT!r} or start without ckpt_path")
-        self._resume_next_fit = ckpt_path is not None
+        self._resume_next_fit = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
+        self._ckpt_file = None
+        if ckpt_path is not None and not self._resume_next_fit and trainer is not None:
+            ckpt_path = trainer._checkpoint_connector._select_ckpt_path(
+                TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
+            self._ckpt_file = ckpt_path
         if self.retained is not None and not self._resume_next_fit:
             self.release(unlink=True)  # a new fit in this process: a fresh store
         return ckpt_path
