@@ -23,11 +23,10 @@ class _RecoveryEcho(io.TextIOBase):
         self.console = console
 
     def write(self, text: str) -> int:
+        # Survivors' "connection closed by peer" tracebacks are expected after a SIGKILL: hidden.
         for line in text.splitlines():
             if line.startswith("[leto]"):
-                self.console.print(f"[cyan]{line}[/]")
-            elif "Error" in line or "Traceback" in line:
-                self.console.print(line, markup=False)
+                self.console.print(line, style="cyan", markup=False, highlight=False)
         return len(text)
 
 
@@ -63,18 +62,19 @@ def summarize(console, base: Path) -> int:
     from .runtime.events import read_events
 
     events = read_events(base / "faulty")
-    table = Table(title="recoveries (seconds)")
-    for col in ("gen", "failed it", "resumed at", "promoted", "detect", "stop", "attach+repair", "init", "resume",
-                "recompute", "failure -> next iteration"):
-        table.add_column(col)
+    table = Table(title="recoveries: breakdown in seconds")
+    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "init", "resume", "recomp", "total"):
+        table.add_column(col, justify="right")
     lost = 0.0
     for e in (e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")):
         b = e["breakdown"]
         lost += e["total_s"]
-        table.add_row(str(e["generation"]), str(e["failed_iteration"]), str(e["resume_iteration"]), e["promoted"],
-                      *(f"{b[k]:.3f}" for k in ("detect", "stop", "attach_repair", "init", "resume", "recompute")),
+        table.add_row(str(e["generation"]), str(e["failed_iteration"]), str(e["resume_iteration"]),
+                      *(f"{b[k]:.2f}" for k in ("detect", "stop", "attach_repair", "init", "resume", "recompute")),
                       f"{e['total_s']:.2f}")
     console.print(table)
+    console.print("total = failure -> first completed iteration after it (shadows promoted; "
+                  "'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
     start = next(e["time"] for e in events if e["event"] == "job_started")
     end = next(e["time"] for e in events if e["event"] == "job_finished")
     ettr = 1 - lost / (end - start)
