@@ -105,8 +105,11 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
     logged = [row for row in history if "leto/recovery/total_s" in row]
     assert sorted(row["leto/recovery/generation"] for row in logged) == [e["generation"] for e in finished]
     assert max(row["leto/hof_count"] for row in logged) == 5
+    expected = {int(s[0]): float(s[2]) for s in reference.loss_series() if s[2]}
     wandb_losses = {row["trainer/global_step"]: row["train_loss"] for row in history if "train_loss" in row}
-    assert wandb_losses == {int(s[0]): float(s[2]) for s in reference.loss_series() if s[2]}
+    assert all(wandb_losses[step] == expected[step] for step in wandb_losses)
+    # a SIGKILLed trainer may lose wandb's last second of history; the last process loses nothing
+    assert all(step in wandb_losses for step in expected if step >= finished[-1]["resume_iteration"])
 
 
 def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None:
@@ -117,7 +120,7 @@ def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None
     try:
         metrics = run_dir / "csv" / "version_0" / "metrics.csv"
         wait_for(lambda: any(e["event"] == "shadow_level" and e.get("reason") == "ready" for e in events(run_dir))
-                 and metrics.exists() and sum(1 for _ in open(metrics)) > 12, 150, "shadows ready and step 12")
+                 and metrics.exists() and sum(1 for _ in open(metrics)) > 8, 150, "shadows ready and step 8")
         victim = [e["pid"] for e in events(run_dir) if e["event"] == "process_started" and e["role"] == "active"
                   and e["rank"] == 1][-1]
         os.kill(victim, signal.SIGKILL)
