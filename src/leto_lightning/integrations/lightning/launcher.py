@@ -10,10 +10,15 @@ file ("last", "best", a path) the way Lightning will.
 Which launchers work (checked when the Trainer is built, ``check_launch``):
 
 - ``leto launch --nproc-per-node N script.py``: yes (``LETO_ROLE`` in the environment).
-- ``python script.py`` with ``devices > 1`` (Lightning's own launcher): refused -- it kills
-  every rank when one dies.
+- ``python script.py`` with ``devices > 1`` (where Lightning's own launcher would start the
+  ranks and kill them all when one dies): the process re-runs itself as ``leto launch
+  --nproc-per-node N script.py ...`` (exec) and becomes the ranks' supervisor.
 - ``torchrun``: refused -- it restarts every worker when one fails, and nothing would recover
-  the retained memory of the killed ones.
+  the retained memory of the killed ones. (A per-worker supervisor is possible -- each worker an
+  agent of a one-rank "node" -- but Lightning's rank arithmetic and tier-2 parity need the real
+  node layout passed through; not built yet.)
+- ``python script.py`` from ``python -c``, a REPL, ``python -m`` or with ``LETO_NO_SUPERVISE=1``:
+  refused, naming the ``leto launch`` command.
 - ranks started by hand with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (tests, custom launchers):
   accepted; recovery is then the caller's job (``updater.recovery.recover_node`` and
   ``fit(ckpt_path="leto://retained")``).
@@ -39,11 +44,42 @@ def _script() -> str:
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "train.py"
 
 
+def _plain_script() -> str | None:
+    """The script path when this process runs ``python script.py`` (not ``-m``, ``-c``, a REPL or
+    a console script such as ``pytest``): only then can it be re-run under ``leto launch``."""
+    main = sys.modules.get("__main__")
+    path = sys.argv[0] if sys.argv else ""
+    if getattr(main, "__spec__", None) is not None or not path.endswith(".py") or not os.path.isfile(path):
+        return None
+    return os.path.abspath(path)
+
+
+def supervise(argv: list[str], script: str) -> None:
+    """Replace this process by ``leto launch`` running the same script: this process becomes the
+    agent (the ranks' supervisor), so the outer launcher never sees a rank die."""
+    command = "leto " + " ".join(argv[2 : argv.index(script)])
+    print(f"[leto] LetoStrategy: re-running this script under `{command}` (Lightning's launcher would stop "
+          "every rank when one fails; set LETO_NO_SUPERVISE=1 to refuse instead)", flush=True)
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _supervisor_argv(strategy: "LetoStrategy", script: str) -> list[str]:
+    return ["-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(strategy.num_processes), script,
+            *sys.argv[1:]]
+
+
 def check_launch(strategy: "LetoStrategy") -> None:
-    """Refuse launchers that kill every rank when one dies, naming the command that works."""
+    """Launchers that kill every rank when one dies: become their ranks' supervisor (re-run the
+    script under ``leto launch``) or, where that is impossible, refuse naming the command."""
     if under_leto_launch():
         return
     ranks = strategy.num_processes * strategy.num_nodes
+    script = _plain_script()
+    lightning_spawns = ranks > 1 and not os.environ.get("TORCHELASTIC_RUN_ID") and not (
+        strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally)
+    if lightning_spawns and script and os.environ.get("LETO_NO_SUPERVISE") != "1" and strategy.num_nodes == 1:
+        supervise(_supervisor_argv(strategy, script), script)
     command = f"`leto launch --nproc-per-node {strategy.num_processes} {_script()}`"
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         raise RuntimeError(
