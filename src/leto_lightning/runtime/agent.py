@@ -237,9 +237,13 @@ class Agent(RecoveryMixin):
                 exit_code, sig = p.exit_status()
                 return self._failure(p, exit_code=exit_code, signal=sig)
         hung = [p for p in self.actives.values() if p.poll() is None and self._hung(p, now)]
-        if hung:  # survivors block in collectives soon after the culprit stops: blame the stalest
-            return self._failure(min(hung, key=lambda p: self._heartbeats[p.rank][1]), hang=True)
+        if hung:  # survivors block in collectives soon after the culprit stops: blame a stopped
+            # process (state T) first, then the one whose own last heartbeat is oldest
+            return self._failure(min(hung, key=lambda p: (not _stopped(p.pid), self._beat_time(p.rank))), hang=True)
         return None
+
+    def _beat_time(self, rank: int) -> float:
+        return self._last_heartbeat(rank).get("t", self._heartbeats[rank][1])
 
     def _failure(self, p: TrainerProcess, **how) -> Failure:
         hb = self._last_heartbeat(p.rank)
@@ -276,3 +280,12 @@ class Agent(RecoveryMixin):
             return False
         limit = self.config.heartbeat_timeout if raw else self.config.startup_timeout
         return now - seen[1] > limit
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, a debugger) rather than waiting: /proc state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
