@@ -222,9 +222,13 @@ class Agent(RecoveryMixin):
     # -- detection -------------------------------------------------------------------------
     def _finished(self) -> int | None:
         codes = [p.poll() for p in self.actives.values()]
-        if codes and all(c == 0 for c in codes):
+        if codes and all(c == 0 or (c is not None and self._completed(p)) for c, p in zip(codes, self.actives.values())):
             return 0
         return None
+
+    def _completed(self, p: TrainerProcess) -> bool:
+        """The trainer said it finished training (whatever its exit status after that)."""
+        return self.store.check([keys.FINISHED.format(gen=p.generation, rank=p.rank)])
 
     def _detect(self) -> Failure | None:
         now = time.time()
@@ -233,7 +237,7 @@ class Agent(RecoveryMixin):
             return remote
         for p in self.actives.values():
             code = p.poll()
-            if code is not None and code != 0:
+            if code is not None and code != 0 and not self._completed(p):
                 exit_code, sig = p.exit_status()
                 return self._failure(p, exit_code=exit_code, signal=sig)
         hung = [p for p in self.actives.values() if p.poll() is None and self._hung(p, now)]

@@ -16,3 +16,4 @@ SHADOWS_READY = "shadows/ready"  # the shadow set that is ready to be promoted n
 FAILURE = "failure/{gen}"  # json {rank, hof, reason, node}: the job-wide verdict on generation gen's failure
 NODE_STEP = "node/{gen}/{step}/{node}"  # a node reached a lockstep point of a recovery (value: its data)
 SHADOW_REPLACE = "sreplace/{gen}"  # counter: shadow sets replaced in generation gen (all nodes follow)
+FINISHED = "finished/{gen}/{rank}"  # a trainer completed training; an abnormal exit after it is not a failure

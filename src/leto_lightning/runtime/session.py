@@ -186,6 +186,11 @@ class Session:
             flag = torch.ones(1)
             dist.all_reduce(flag)
 
+    def mark_finished(self) -> None:
+        """Training is complete: a crash while the interpreter shuts down (seen: gloo's threads
+        calling std::terminate) must not be taken for a failure and recovered."""
+        self.store.set(keys.FINISHED.format(gen=self.env.generation, rank=self.rank), str(time.time()))
+
     # -- progress ------------------------------------------------------------------------
     def heartbeat(self, iteration: int, phase: str) -> None:
         self._iteration = iteration
@@ -270,6 +275,7 @@ class ProtectedTraining:
         if dist.is_initialized():
             self.session.barrier()
             dist.destroy_process_group()
+        self.session.mark_finished()
 
 
 class FaultInjector:

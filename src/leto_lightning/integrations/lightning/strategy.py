@@ -335,6 +335,8 @@ class LetoStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         if self.runtime is not None:
             self.logs.finish(self.lightning_module.trainer)
+            if self.runtime.session is not None:
+                self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
 
     def on_exception(self, exception: BaseException) -> None:
         if self.runtime is not None:
