@@ -55,6 +55,7 @@ from baselines.restart import Fault, RestartJob  # noqa: E402
 from leto_lightning.examples import PLAIN_DDP  # noqa: E402
 from leto_lightning.runtime.events import iter_events, read_events  # noqa: E402
 from leto_lightning.retained.shm import list_segments  # noqa: E402
+from leto_lightning.runtime.procs import is_alive
 
 SYSTEMS = ("leto-update", "leto-compute", "disk", "shm", "shm-spare")
 LABELS = {
@@ -82,12 +83,6 @@ def mid_update_occurrence(dim: int) -> int:
     return max(1, layout_for(opt, cfg).n_chunks // 2)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _logged(run_dir: str, rank: int, iteration: int) -> bool:
@@ -127,7 +122,7 @@ def run_leto(variant: str, args, run_dir: str, occurrence: int) -> dict:
         rc = proc.returncode
     events = read_events(run_dir)
     pids = [e["pid"] for e in events if e["event"] in ("process_started", "job_started")]
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if is_alive(p)]
     for p in left:  # only processes this run started, by pid
         os.kill(p, signal.SIGKILL)
     ended = any(e["event"] in ("job_finished", "job_interrupted") for e in events)
@@ -161,7 +156,7 @@ def run_baseline(mode: str, args, run_dir: str) -> dict:
     job = RestartJob(mode, run_dir, args.iterations or args.fail_at + 1, Fault(args.fail_rank, args.fail_at, "update"),
                      dim=args.dim, sleep=args.sleep, checkpoint_every=args.checkpoint_every)
     r = job.run(timeout=args.timeout)
-    left = [p for p in r.pids if _alive(p)]
+    left = [p for p in r.pids if is_alive(p)]
     row = dict(r.breakdown)
     row["other"] = r.total_s - sum(row.values())
     return {"total": r.total_s, "row": row, "left": left, "losses": r.losses,

@@ -21,6 +21,7 @@ import torch
 
 from leto_lightning.examples import LIGHTNING_TINY
 from leto_lightning.runtime.events import iter_events, read_events
+from leto_lightning.runtime.procs import is_alive
 
 QUIET = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true",
              PYTHONWARNINGS="ignore")
@@ -187,7 +188,7 @@ def wandb_history(run_dir: Path) -> dict[str, list[dict]]:
 # -- nothing left behind -----------------------------------------------------------------------
 def assert_nothing_left(run: Run) -> None:
     pids = [e["pid"] for e in run.events if e["event"] in ("process_started", "job_started")]
-    alive = [p for p in pids if _alive(p)]
+    alive = [p for p in pids if is_alive(p)]
     assert not alive, f"processes left running: {alive}"
 
 
@@ -197,9 +198,3 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -15,6 +15,7 @@ import torch
 
 from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.runtime.events import read_events
+from leto_lightning.runtime.procs import is_alive
 
 
 @dataclass
@@ -77,7 +78,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 def assert_nothing_left(result: LaunchResult) -> None:
     """Every process the job started is gone, and the store's port is closed."""
     pids = [e["pid"] for e in result.events if e["event"] in ("process_started", "job_started")]
-    alive = [p for p in pids if _alive(p)]
+    alive = [p for p in pids if is_alive(p)]
     assert not alive, f"processes left running: {alive}"
     ports = [e["port"] for e in result.of("job_started")]
     listening = _listening_ports()
@@ -92,12 +93,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _listening_ports() -> set[int]:

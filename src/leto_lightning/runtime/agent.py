@@ -28,7 +28,7 @@ from . import keys
 from .classify import Failure
 from .config import RuntimeConfig
 from .events import EventLog
-from .procs import TrainerProcess, spawn
+from .procs import TrainerProcess, process_state, spawn
 from .recovery_flow import RecoveryMixin
 
 
@@ -287,9 +287,5 @@ class Agent(RecoveryMixin):
 
 
 def _stopped(pid: int) -> bool:
-    """The process is stopped (SIGSTOP, a debugger) rather than waiting: /proc state T or t."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+    """The process is stopped (SIGSTOP, a debugger) rather than waiting in a collective."""
+    return process_state(pid) in ("T", "t")
