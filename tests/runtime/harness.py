@@ -62,6 +62,17 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> Launc
     return result
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a launcher whose test failed: SIGTERM first, so the agent frees what it allocated."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def run(run_dir: Path, iterations: int, **kw) -> LaunchResult:
     return finish(start(run_dir, iterations, **kw), run_dir)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .harness import finish, run, same_state, start, wait_for
+from .harness import finish, run, same_state, start, stop, wait_for
 
 ITERATIONS = 50
 
@@ -79,8 +79,7 @@ def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
         stopped_at = time.time()
         os.kill(active, signal.SIGSTOP)  # a hang
     except BaseException:
-        proc.kill()
-        proc.communicate()
+        stop(proc)
         raise
     result = finish(proc, tmp_path)
     assert result.returncode == 0, result.output[-3000:]
@@ -152,10 +151,30 @@ def test_sigterm_stops_everything_and_frees_memory(tmp_path):
     try:
         wait_for(lambda: os.path.exists(tmp_path / "loss_rank0.jsonl"), 120, "training to start")
     except BaseException:
-        proc.kill()
-        proc.communicate()
+        stop(proc)
         raise
     proc.send_signal(signal.SIGTERM)
     result = finish(proc, tmp_path)  # asserts: no process left, port closed (and the suite: no segment left)
     assert result.returncode == 128 + signal.SIGTERM
     assert result.of("job_interrupted")
+
+
+def test_trainers_die_with_a_killed_agent(tmp_path):
+    """SIGKILL of `leto launch` itself: its trainers and shadows go with it (PR_SET_PDEATHSIG);
+    retained memory it could not free is removed by job id."""
+    from leto_lightning.retained.shm import unlink_segments
+    from leto_lightning.runtime.procs import is_alive
+
+    proc = start(tmp_path, ITERATIONS, script_args=["--sleep", "0.2"])
+    try:
+        wait_for(lambda: os.path.exists(tmp_path / "loss_rank0.jsonl"), 120, "training to start")
+        proc.kill()
+        proc.communicate()
+        events = list(_events(tmp_path))
+        pids = [e["pid"] for e in events if e["event"] == "process_started"]
+        wait_for(lambda: not any(is_alive(p) for p in pids), 10, "the trainers to die with the agent")
+    finally:
+        stop(proc)
+        for e in _events(tmp_path):
+            if e["event"] == "job_started":
+                unlink_segments(e["job_id"])

@@ -91,7 +91,7 @@ class Agent(RecoveryMixin):
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_store()
-            self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
+            self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size, job_id=self.job_id,
                              node_rank=self.spec.node_rank, script=self.spec.script, pid=os.getpid())
             self._start_actives(resume="")
             self._start_shadows()

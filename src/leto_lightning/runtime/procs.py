@@ -55,12 +55,23 @@ def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role:
           shadow_set: int, out=None) -> TrainerProcess:
     """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
     popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             bufsize=1, text=True, errors="replace")
+                             bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)
     proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
     prefix = f"[rank {rank} {role} g{generation}] "
     proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout), daemon=True)
     proc._pump.start()
     return proc
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL me if the agent dies (even by SIGKILL), so trainers
+    never outlive the process that supervises them (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the agent's own cleanup still applies
+        pass
 
 
 def _pump(stream, prefix: str, out) -> None:
