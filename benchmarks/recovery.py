@@ -72,7 +72,7 @@ PAPER = {"Gemini (11)": 127, "Gemini+ (11)": 88, "Leto (11)": 19}  # Table 3, Ki
 # -- Leto ----------------------------------------------------------------------------------
 def mid_update_occurrence(dim: int) -> int:
     """The middle chunk of plain_ddp.py's retained layout (its RetainedConfig, copied here)."""
-    from leto_lightning.faults.scenario import TinyLM
+    from leto_lightning.models.tiny import TinyLM
     from leto_lightning.retained.config import RetainedConfig
     from leto_lightning.updater.retained_optimizer import layout_for
 

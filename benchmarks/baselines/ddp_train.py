@@ -40,31 +40,12 @@ from datetime import timedelta  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+# The very model and data of examples/plain_ddp.py (torch-only module: no Leto machinery imported).
+from leto_lightning.models.tiny import TinyLM  # noqa: E402
+from leto_lightning.models.tiny import rank_batch as batch  # noqa: E402
+
 VOCAB = 97
 HEADER_BYTES = 64  # int64[8]: valid slot, iteration of slot 0, iteration of slot 1, slot bytes
-
-
-class TinyLM(torch.nn.Module):
-    """Same layers, shapes and init order as ``leto_lightning.faults.scenario.TinyLM``."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 48) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.up = torch.nn.Linear(dim, 4 * dim)
-        self.down = torch.nn.Linear(4 * dim, dim)
-        self.norm = torch.nn.LayerNorm(dim)
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
-        return self.head(self.norm(h))
-
-
-def batch(rank: int, iteration: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1_000_003 * rank + iteration)
-    tokens = torch.randint(0, vocab, (8, 33), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 class Timeline:

@@ -18,15 +18,10 @@ import time
 import torch
 
 import leto_lightning.runtime as leto
-from leto_lightning.faults.scenario import TinyLM
+from leto_lightning.models.tiny import TinyLM
+from leto_lightning.models.tiny import rank_batch as batch
 from leto_lightning.retained.config import RetainedConfig
 
-
-
-def batch(rank: int, iteration: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1_000_003 * rank + iteration)
-    tokens = torch.randint(0, vocab, (8, 33), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.tiny import TinyLM  # noqa: F401  (re-exported: tests and examples import it here)
 from ..retained.config import RetainedConfig
 from .points import point
 from ..retained.shm import new_job_id, unlink_segments
@@ -28,23 +29,6 @@ OPTIMIZERS = {
     "rmsprop_whole": (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, centered=True)),
     "nadam_whole": (torch.optim.NAdam, dict(lr=1e-3, weight_decay=0.01)),
 }
-
-
-class TinyLM(torch.nn.Module):
-    """Embedding -> MLP block -> LayerNorm -> head: params of many shapes, some tiny."""
-
-    def __init__(self, vocab: int = 97, dim: int = 48) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.up = torch.nn.Linear(dim, 4 * dim)
-        self.down = torch.nn.Linear(4 * dim, dim)
-        self.norm = torch.nn.LayerNorm(dim)
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
-        return self.head(self.norm(h))
 
 
 @dataclass
