@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+import torch
+
 from ..protection.repair import RepairReport, page_ok, repair
 from ..retained.record import read_all
 from ..retained.store import (
@@ -103,7 +105,7 @@ def restore_in_flight(store: RetainedStore) -> tuple[list[tuple[int, str]], list
                 "its old contents are lost -- resume from the last checkpoint"
             )
         first = store.layout.chunk_first_piece[chunk]
-        old_steps = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(__import__("torch").float64)
+        old_steps = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(torch.float64)
         store.steps[first : first + n_pieces] = old_steps.float()
         store.chunk_table[chunk, 0] = int(head[UNDO_VERSION])
         store.chunk_table[chunk, 1] = IDLE
