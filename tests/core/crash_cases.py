@@ -71,10 +71,12 @@ def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: i
             if r not in victims:  # survivors: finish, or block at the barrier and get killed there
                 kill = None if all_prepared else KillPoint("prepare.barrier")
                 run_in_child(lambda r=r: _shadow_step(job, r, t), kill_at=kill)
+        # A rollback window keeps t only once every rank sealed it; otherwise t is redone.
+        kept = all(_sealed(job, r, t) for r in ranks) if scenario.rollback else all_prepared
         result = run_in_child(lambda: _recover_and_continue(job, t + 1))
         resume, states, reports = result.value
         diffs = {r: differences(states[r], reference[r][t + 2]) for r in ranks}
-        return CaseResult(t, {r: str(k) for r, k in kills.items()}, resume, t + 1 if all_prepared else t, diffs, reports)
+        return CaseResult(t, {r: str(k) for r, k in kills.items()}, resume, t + 1 if kept else t, diffs, reports)
     finally:
         job.close()
 
@@ -82,6 +84,12 @@ def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: i
 def _prepared(job, rank: int, t: int) -> bool:
     entry = job.stores[rank].record.read()
     return entry is not None and entry.payload["status"] in (PREPARED, COMMITTED) and entry.payload["iteration"] == t
+
+
+def _sealed(job, rank: int, t: int) -> bool:
+    entry = job.stores[rank].record.read()
+    rec = entry.payload if entry is not None else None
+    return rec is not None and rec["status"] == COMMITTED and rec["iteration"] == t and not rec.get("open")
 
 
 def _shadow_step(job, rank: int, t: int) -> None:

@@ -38,6 +38,7 @@ class CoreScenario:
     config: RetainedConfig = field(default_factory=lambda: RetainedConfig(
         page_bytes=4096, chunk_pages=2, data_pages=4, tier1_parity=2, tier2_parity=1, record_bytes=1 << 16))
     seed: int = 0
+    rollback: bool = False  # a rollback window, as manual optimization uses (whole-state, sealed per step)
     vocab: int = 97
     dim: int = 48
 
@@ -82,10 +83,11 @@ class CoreScenario:
         try:
             for rank in range(self.n_ranks):
                 model, opt = self.build(rank)
-                spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout_for(opt, self.config), self.config)
+                layout = layout_for(opt, self.config, whole_state=self.rollback)
+                spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout, self.config)
                 store = RetainedStore.create(spec)
                 stores.append(store)
-                ro = RetainedOptimizer(opt, store)
+                ro = RetainedOptimizer(opt, store, rollback_window=self.rollback)
                 ro.bind(adopt=False)
                 trainers.append((model, ro))
             encode_tier2(stores, ParityCodes(stores[0]))
@@ -109,7 +111,7 @@ class Job:
         """What a shadow does: build the skeleton and bind it to the retained store."""
         store = RetainedStore.attach(self.job_id, rank)
         model, opt = self.scenario.build(rank)
-        ro = RetainedOptimizer(opt, store)
+        ro = RetainedOptimizer(opt, store, rollback_window=self.scenario.rollback)
         ro.bind(adopt=True)
         return model, ro
 
@@ -129,6 +131,8 @@ def run_step(scenario: CoreScenario, model: torch.nn.Module, ro: RetainedOptimiz
     ro.zero_grad()
     scenario.compute(model, rank, iteration)
     ro.step()
+    if ro.rollback_window:
+        ro.seal(None)  # the batch end, where manual optimization seals its step
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

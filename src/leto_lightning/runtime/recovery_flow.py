@@ -72,7 +72,7 @@ class RecoveryMixin:
         return [json.loads(self.store.get(k)) for k in keys_all]
 
     def _agree(self, summary: dict) -> tuple:
-        """Job-wide roll-forward decision from every node's ``{rank: (status, iteration)}``."""
+        """Job-wide roll-forward or rollback decision from every node's ``{rank: (status, iteration, open)}``."""
         merged = {}
         for part in self._node_sync("summary", {str(k): v for k, v in summary.items()}):
             merged.update({int(k): v for k, v in part.items()})

@@ -12,6 +12,13 @@ For the ranks of one node (a single rank is a node of one):
 5. **Roll forward** the chunks still at version ``t`` with the retained gradients and the
    hyper-parameters recorded at prepare -- the same deterministic math, so the result is
    bit-identical to an update that never failed -- and commit ``t``.
+
+A **rollback window** (``RetainedOptimizer(rollback_window=True)``, manual optimization) keeps
+an iteration *open* from its prepare until the trainer seals it at the batch end. If any rank
+of the job is still open at ``t``, every rank rolls ``t`` back instead (``roll_back``): the
+whole-state undo copy of ``t`` is intact on every rank, because no rank can start ``t + 1``'s
+update before every rank prepared ``t + 1``; each resumes from the payload it sealed before
+``t`` and the trainers redo iteration ``t`` from its start.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class RecoveryReport:
     restored: list[tuple[int, str]] = field(default_factory=list)  # (chunk, phase it was in)
     rolled_forward: list[int] = field(default_factory=list)
     aborted: bool = False
+    rolled_back: bool = False  # an open iteration (rollback window) undone
     committed_iteration: int = -1  # the job resumes at committed_iteration + 1
     pending_step: bool = False  # generic optimizer: the trainer finishes the prepared step on bind
     payload: object = None
@@ -69,7 +77,8 @@ class RecoveryReport:
         return (
             f"rank {self.rank}: found {self.status_found}({self.iteration_found}); restored {len(self.restored)} "
             f"in-flight chunk(s); repaired {rep.repaired if rep else 0} page(s); rolled forward "
-            f"{len(self.rolled_forward)} chunk(s); resume at iteration {self.resume_iteration}"
+            f"{len(self.rolled_forward)} chunk(s);{' rolled back an open iteration;' if self.rolled_back else ''} "
+            f"resume at iteration {self.resume_iteration}"
         )
 
 
@@ -139,20 +148,28 @@ def latest(store: RetainedStore) -> dict | None:
     return entries[-1].payload if entries else None
 
 
-def local_agreement(summary: dict[int, tuple[str, int] | None]) -> tuple[int | None, bool]:
-    """(target iteration, did every rank reach it) from ``{rank: (status, iteration)}``."""
+def local_agreement(summary: dict[int, tuple | list | None]) -> tuple[int | None, bool, int | None]:
+    """From ``{rank: (status, iteration, open)}``: (target iteration, did every rank reach it,
+    the open iteration to roll back everywhere or None)."""
     iterations = [s[1] for s in summary.values() if s is not None]
     target = max(iterations, default=None)
-    return target, all(s is not None and s[1] == target for s in summary.values())
+    opened = [s[1] for s in summary.values() if s is not None and len(s) > 2 and s[2]]
+    return target, all(s is not None and s[1] == target for s in summary.values()), min(opened, default=None)
+
+
+def _summary(rec: dict | None) -> tuple | None:
+    return (rec["status"], rec["iteration"], bool(rec.get("open"))) if rec else None
 
 
 def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None,
-                 agree: Callable[[dict], tuple[int | None, bool]] = local_agreement) -> dict[int, RecoveryReport]:
+                 agree: Callable[[dict], tuple[int | None, bool, int | None]] = local_agreement,
+                 ) -> dict[int, RecoveryReport]:
     """Recover the ranks of one node (keyed by local rank); see the module docstring.
 
-    ``agree`` turns this node's ``{rank: (status, iteration)}`` into the job-wide decision
-    (target iteration, whether every rank of the job prepared or committed it); a multi-node
-    agent exchanges the summaries through the job's store before anything rolls forward.
+    ``agree`` turns this node's ``{rank: (status, iteration, open)}`` into the job-wide
+    decision (``local_agreement``: target iteration, whether every rank of the job prepared or
+    committed it, an open iteration to roll back); a multi-node agent exchanges the summaries
+    through the job's store before anything rolls forward or back.
     """
     if not stores:
         raise ValueError("recover_node needs at least one store")
@@ -168,14 +185,19 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
         reports[r].status_found = rec and rec["status"]
         reports[r].iteration_found = rec and rec["iteration"]
     # Gradients matter only where a prepared step will be rolled forward with them.
-    include_grads = {r for r, rec in records.items() if rec and rec["status"] == PREPARED}
+    include_grads = {r for r, rec in records.items() if rec and rec["status"] == PREPARED and not rec.get("open")}
     rep = repair(stores, codes.tier1, codes.tier2, include_grads)
     t2 = time.perf_counter()
     groups1, stripes = reencode(stores, codes, touched)
     t3 = time.perf_counter()
-    summary = {s.spec.rank: (rec["status"], rec["iteration"]) if rec else None for s, rec in
-               ((stores[r], records[r]) for r in stores)}
-    decide_and_roll_forward(stores, records, reports, codes, *agree(summary))
+    summary = {stores[r].spec.rank: _summary(records[r]) for r in stores}
+    target, everyone, rollback = agree(summary)
+    if rollback is None:
+        decide_and_roll_forward(stores, records, reports, codes, target, everyone)
+    else:
+        undone = {r: roll_back(store, rollback, reports[r]) for r, store in stores.items()}
+        more1, more2 = reencode(stores, codes, undone)
+        groups1, stripes = groups1 + more1, sorted(set(stripes) | set(more2))
     t4 = time.perf_counter()
     for r, report in reports.items():
         report.repair = rep
@@ -207,6 +229,49 @@ def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target
         _check_versions(store, rec["iteration"] + 1 if rec["status"] == COMMITTED else rec["iteration"])
         report.committed_iteration = rec["iteration"] if rec["status"] == COMMITTED else rec["iteration"] - 1
         report.payload = rec["payload"]
+
+
+def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]:
+    """Undo the open iteration ``t`` on this rank (module doc); returns the pages restored.
+
+    The rank may be anywhere from "never prepared ``t``" to "sealed ``t`` and prepared
+    ``t + 1``" (no further: ``t + 1``'s update waits for the open rank's prepare)."""
+    entries = [e.payload for e in read_all(store.record)]
+    if not entries or entries[-1]["iteration"] < t:  # never prepared t: already where the job resumes
+        _check_versions(store, t)
+        latest = entries[-1] if entries else {"iteration": t - 1, "payload": None}
+        report.committed_iteration, report.payload = latest["iteration"], latest["payload"]
+        return []
+    before = _payload_before(store, entries, t)
+    pages: list[int] = []
+    if bool((store.versions() == t + 1).all()):
+        head = store.undo_header
+        if int(head[UNDO_CHUNK]) != UNDO_WHOLE or int(head[UNDO_VERSION]) != t:
+            raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be rolled back but the undo buffer holds "
+                                f"{'chunk ' + str(int(head[UNDO_CHUNK])) if int(head[UNDO_CHUNK]) != UNDO_WHOLE else 'the whole state'}"
+                                f" of iteration {int(head[UNDO_VERSION])}; resume from the last checkpoint")
+        pages = restore_whole(store)
+        bad = [p for p in pages if not page_ok(store, p)]
+        if bad:
+            raise RecoveryError(f"rank {store.spec.rank}: the undo copy of open iteration {t} is damaged (pages "
+                                f"{bad[:10]}); resume from the last checkpoint")
+    _check_versions(store, t)
+    store.record.write({"status": COMMITTED, "iteration": t - 1, "payload": before})
+    report.rolled_back = True
+    report.committed_iteration, report.payload = t - 1, before
+    return pages
+
+
+def _payload_before(store: RetainedStore, entries: list[dict], t: int) -> object:
+    """The payload a rank sealed before iteration ``t``: in ``t``'s open records, or kept as
+    ``before`` in the records that sealed ``t``."""
+    for rec in reversed(entries):
+        if rec["iteration"] == t and rec.get("open"):
+            return rec["payload"]
+        if rec["iteration"] == t and "before" in rec:
+            return rec["before"]
+    raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be rolled back but no record keeps the state "
+                        "before it; resume from the last checkpoint")
 
 
 def roll_forward(store: RetainedStore, rec: dict, codes: ParityCodes) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
 from ..retained.store import RetainedStore, StoreSpec
@@ -49,8 +50,13 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     return out
 
 
-def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: dict | None = None) -> StoreLayout:
-    family = optimizer_family(optimizer)
+def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: dict | None = None,
+               whole_state: bool = False) -> StoreLayout:
+    """The store layout for ``optimizer``; ``whole_state=True`` forces one whole-state
+    transaction per step (its undo copy of everything is what a rollback window restores)."""
+    family = "generic" if whole_state else optimizer_family(optimizer)
+    if whole_state:
+        optimizer_family(optimizer)  # still refuse fused / capturable / differentiable
     names = names or {}
     groups = [[(names.get(p, f"param{j}.{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(g["params"])]
               for j, g in enumerate(optimizer.param_groups)]
@@ -71,11 +77,18 @@ class RetainedOptimizer:
 
     ``payload_fn`` returns what a shadow needs to resume (loop position, RNG, ...); it is
     recorded at prepare and becomes the committed progress record.
+
+    ``rollback_window=True`` (manual optimization, where the step runs in the middle of the
+    user's code): an iteration's update stays *open* until ``seal(payload)`` -- called where the
+    caller can resume after it (the batch end). Until then recovery rolls the update back with
+    the whole-state undo copy and resumes from the previous sealed payload, which redoes the
+    whole iteration; so every step must be followed by ``seal`` before the next one. Needs a
+    whole-state layout (``layout_for(..., whole_state=True)``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: RetainedStore,
                  barrier: Callable[[], None] | None = None,
-                 payload_fn: Callable[[], object] | None = None) -> None:
+                 payload_fn: Callable[[], object] | None = None, rollback_window: bool = False) -> None:
         self.optimizer = optimizer
         self.store = store
         self.layout = store.layout
@@ -90,6 +103,13 @@ class RetainedOptimizer:
             self.txn = ChunkTransactions(store, ParityCodes(store))
         self._received: set[int] = set()
         self.iteration = 0
+        if rollback_window and self.layout.family != "generic":
+            raise ValueError("rollback_window needs a whole-state layout: layout_for(..., whole_state=True)")
+        self.rollback_window = rollback_window
+        self.boundary_payload: object = None  # rollback window: the payload of the last sealed record
+        self._before: object = None  # rollback window: the sealed payload the open iteration started from
+        self._open = False
+        self._has_before = False  # a step in this process set _before
 
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, config: RetainedConfig | None = None, *,
@@ -99,8 +119,13 @@ class RetainedOptimizer:
         config = config or RetainedConfig()
         spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout_for(optimizer, config), config)
         store = RetainedStore.create(spec)
-        ro = cls(optimizer, store, **kwargs)
-        ro.bind(adopt=False)
+        try:
+            ro = cls(optimizer, store, **kwargs)
+            ro.bind(adopt=False)
+        except BaseException:
+            store.unlink()  # nothing else will ever attach to it
+            store.close()
+            raise
         return ro
 
     # -- binding -------------------------------------------------------------------------
@@ -137,8 +162,9 @@ class RetainedOptimizer:
         if not adopt:
             encode_all(store, self.txn.codes)
             store.chunk_table[:, 0] = iteration
-            self.txn.commit(iteration - 1, payload)
+            self.txn.commit(iteration - 1, payload)  # never open: open_records is set by step()
             self.iteration = iteration
+            self.boundary_payload = payload
         elif resume:
             self.resume()
 
@@ -183,7 +209,12 @@ class RetainedOptimizer:
         if payload["status"] == PREPARED:
             raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
                                "committed; run updater.recovery.recover_node before binding a shadow")
+        if payload.get("open"):
+            raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is still open (its "
+                               "batch never ended); run updater.recovery.recover_node before binding a shadow")
         self.iteration = payload["iteration"] + 1
+        self.boundary_payload = payload["payload"]
+        self._open = self._has_before = False
         return payload["payload"]
 
     def _mark_received(self, index: int):
@@ -203,10 +234,34 @@ class RetainedOptimizer:
         loss = closure() if closure is not None else None
         self._adopt_foreign_grads()
         skip = [i for i in range(len(self.params)) if i not in self._received]
-        payload = self.payload_fn() if self.payload_fn is not None else None
+        if self.rollback_window:
+            if self._open:
+                raise RuntimeError("one optimizer step per sealed iteration: with a rollback window (manual "
+                                   "optimization) call optimizer.step() at most once per training_step")
+            self.txn.open_records = True
+            payload = self._before = self.boundary_payload  # a rollback resumes here and redoes the step
+            self._has_before = True
+            self._open = True
+        else:
+            payload = self.payload_fn() if self.payload_fn is not None else None
         self.txn.run(self.iteration, hyperparameters(self.optimizer), payload, skip, self.barrier)
         self.iteration += 1
         return loss
+
+    def seal(self, payload: object) -> None:
+        """Rollback window: the last step's iteration is complete; a crash from now on resumes
+        from ``payload``. Called again for the same iteration (e.g. after validation), it only
+        replaces the payload. Keeps the payload to roll back to while a peer is still open."""
+        if not self.rollback_window:
+            raise RuntimeError("seal() belongs to a rollback window (RetainedOptimizer(rollback_window=True))")
+        point("seal.begin", iteration=self.iteration - 1)
+        record = {"status": COMMITTED, "iteration": self.iteration - 1, "payload": payload}
+        if self._has_before:  # what a rollback of this iteration resumes from (recovery.roll_back)
+            record["before"] = self._before
+        self.store.record.write(record)
+        point("seal.recorded", iteration=self.iteration - 1)
+        self.boundary_payload = payload
+        self._open = False
 
     def _adopt_foreign_grads(self) -> None:
         """If something replaced ``p.grad`` (e.g. ``optimizer.zero_grad()`` set it to None and

@@ -88,6 +88,9 @@ class ChunkTransactions:
         self._steps = store.steps.numpy()
         self._head = store.undo_header.numpy()
         self._plans: dict[int, ChunkPlan] = {}
+        # Rollback window (manual optimization): records of an iteration stay "open" until the
+        # caller seals it; recovery rolls an open iteration back instead of forward.
+        self.open_records = False
 
     # -- the whole iteration -------------------------------------------------------------
     def run(
@@ -117,6 +120,8 @@ class ChunkTransactions:
             "skip_params": sorted(int(i) for i in skip_params),
             "payload": payload,
         }
+        if self.open_records:
+            record["open"] = True
         self.store.record.write(record)
         point("prepare.recorded", iteration=iteration)
 
@@ -131,7 +136,10 @@ class ChunkTransactions:
 
     def commit(self, iteration: int, payload: object) -> None:
         point("commit.begin", iteration=iteration)
-        self.store.record.write({"status": COMMITTED, "iteration": iteration, "payload": payload})
+        record = {"status": COMMITTED, "iteration": iteration, "payload": payload}
+        if self.open_records:
+            record["open"] = True
+        self.store.record.write(record)
         point("commit.recorded", iteration=iteration)
 
     # -- gradients -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ step, inside the first transaction.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 from typing import Sequence
 
@@ -49,7 +50,9 @@ def probe_state(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tupl
     """
     probe = torch.nn.Parameter(torch.zeros(3))
     probe.grad = torch.full((3,), 0.5)
-    opt = type(optimizer)([probe], **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # defaults may hold keys __init__ does not take (AdamW adds decoupled_weight_decay itself)
+    opt = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     opt.step()
     elementwise, scalars = [], []
     for key, value in opt.state[probe].items():
