@@ -155,6 +155,7 @@ def snapshot(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "rng": torch.get_rng_state(),
+        "precision": trainer.precision_plugin.state_dict(),  # 16-mixed: the grad scaler's
     }
 
 
@@ -168,7 +169,7 @@ def differences(a: dict, b: dict) -> list[str]:
             same = torch.equal(got, v) if isinstance(v, torch.Tensor) and isinstance(got, torch.Tensor) else got == v
             if not same:
                 out.append(f"state {i}.{k}")
-    for key in ("lr", "global_step", "epoch"):
+    for key in ("lr", "global_step", "epoch", "precision"):
         if a[key] != b[key]:
             out.append(f"{key}: {a[key]} != {b[key]}")
     if not torch.equal(a["rng"], b["rng"]):

@@ -11,6 +11,9 @@ the same committed iteration, a payload captured where Lightning itself would ch
   last committed step: the state after validation (``ModelCheckpoint``/``EarlyStopping``
   updates, the RNG after the validation loader), where ``ModelCheckpoint`` saves by default.
 
+After a step the grad scaler skipped (16-mixed, inf/nan gradients: no transaction ran) the
+batch end is re-recorded too, once something was committed (``step_skipped``).
+
 Why never after a micro-batch without a step: its gradients sit unprotected in retained
 memory; resuming after it would build on gradients a crash may have torn. Resuming from the
 last committed step recomputes the micro-batch instead.
@@ -75,7 +78,10 @@ class LetoLoopStateCallback(Callback):
         if strategy is None or not strategy.retained_active:
             return
         strategy.batch_open = False
-        if strategy.stepped_in_batch:
+        skipped = not strategy.stepped_in_batch and step_skipped(trainer, pl_module)
+        if skipped:
+            strategy.retained._adopt_foreign_grads()  # type: ignore[union-attr]  # see step_skipped
+        if strategy.stepped_in_batch or (skipped and strategy.committed_any):
             strategy.record_payload(capture(trainer, "batch_end"))
             self.records += 1
             strategy.clean_since_step = True
@@ -101,3 +107,20 @@ class LetoLoopStateCallback(Callback):
         if strategy.clean_since_step and strategy.committed_any:
             strategy.record_payload(capture(trainer, "validation_end"))
             self.records += 1
+
+
+def step_skipped(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+    """This batch ended an accumulation window, yet no transaction ran: 16-mixed's grad scaler
+    found inf/nan gradients and skipped ``optimizer.step`` (or ``training_step`` returned None).
+
+    Weights and optimizer state are still the last commit's, and Lightning finished the batch
+    (the step counter, the LR schedulers, the scaler's back-off): the batch end is a point
+    Lightning itself checkpoints at, so it is re-recorded for the last committed iteration --
+    a crash after it does not recompute the skipped batches. Not before the first commit: the
+    ``"start"`` payload stays, and a resume recomputes those batches deterministically.
+
+    Gradients that replaced the retained views since the last step (``zero_grad(set_to_none=
+    True)`` before validation) were not adopted, as no step ran; the caller adopts them, or the
+    next window's in-place ``zero_grad`` would leave them, inf/nan included, to accumulate into.
+    """
+    return pl_module.automatic_optimization and not trainer.fit_loop._should_accumulate()

@@ -18,7 +18,7 @@ from ...updater.retained_optimizer import optimizer_family
 if TYPE_CHECKING:  # pragma: no cover
     from .strategy import LetoStrategy
 
-PRECISIONS = ("32-true", "bf16-mixed")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
 def reject_ddp_options(kwargs: dict[str, Any]) -> None:
@@ -36,19 +36,32 @@ def reject_ddp_options(kwargs: dict[str, Any]) -> None:
 
 def check_trainer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> None:
     """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
-    precision = strategy.precision_plugin
-    name = getattr(precision, "precision", None)
-    if type(precision) not in (Precision, MixedPrecision) or name not in PRECISIONS:
-        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy yet: "
-                         f"use one of {PRECISIONS}. 16-mixed: overflow steps skip the optimizer step and the grad "
-                         "scaler's state is not in the resume record; sharded precision plugins (FSDP, DeepSpeed) "
-                         "cannot be combined with a DDP strategy.")
+    check_precision(strategy.precision_plugin)
     if strategy.root_device.type != "cpu":
         raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
                          "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
     if not trainer.lightning_module.automatic_optimization:
         raise ValueError("manual optimization is not supported by LetoStrategy yet: its optimizer step happens inside "
                          "training_step, so there is no batch boundary to resume at; use automatic optimization")
+
+
+def check_precision(precision: Precision) -> None:
+    """``32-true``, ``bf16-mixed`` and ``16-mixed`` with torch's own ``GradScaler``: its state is
+    in every resume payload, and ``resume.finish_batch`` replays the ``update()`` of a step that
+    committed (only steps without inf/nan gradients run a transaction)."""
+    name = getattr(precision, "precision", None)
+    if type(precision) not in (Precision, MixedPrecision) or name not in PRECISIONS:
+        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy: use one "
+                         f"of {PRECISIONS} (Lightning's own MixedPrecision plugin for the mixed ones); true half "
+                         "precision is untested, and sharded precision plugins (FSDP, DeepSpeed) cannot be combined "
+                         "with a DDP strategy.")
+    scaler = getattr(precision, "scaler", None)
+    if scaler is not None and (not isinstance(scaler, torch.amp.GradScaler)
+                               or type(scaler).update is not torch.amp.GradScaler.update
+                               or type(scaler).state_dict is not torch.amp.GradScaler.state_dict):
+        raise ValueError(f"16-mixed with {type(scaler).__name__}: LetoStrategy replays torch.amp.GradScaler's own "
+                         "update() of a committed step on resume; a scaler that changes update() or state_dict() "
+                         "cannot be replayed exactly -- use torch.amp.GradScaler")
 
 
 def the_optimizer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> torch.optim.Optimizer:

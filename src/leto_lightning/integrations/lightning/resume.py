@@ -12,7 +12,8 @@ Every kind resumes at a point Lightning's own restart logic handles, the same po
 the payload at prepare, *before* Lightning finishes the batch, so a resume after *t* commits
 must first finish the batch the way Lightning would have (``finish_batch``): the optimizer-step
 and batch counters move to "processed", and the LR schedulers due at this batch are stepped
-through the module's own ``lr_scheduler_step``. The result is the state Lightning holds inside
+through the module's own ``lr_scheduler_step``; a 16-mixed grad scaler gets the ``update()`` of
+a step without overflow (``scaler_after_step``). The result is the state Lightning holds inside
 ``on_train_batch_end`` of that batch (checked in tests/lightning/test_loop_state.py against a
 capture taken there). Capturing at ``on_train_batch_end`` alone would not do: by then the
 update is committed and a crash between the two would resume *before* a batch whose update is
@@ -161,8 +162,28 @@ def finish_batch(trainer: "pl.Trainer", payload: dict[str, Any]) -> dict[str, An
             _bump(fit["epoch_loop.scheduler_progress"], "ready", "completed")
         out["lr_schedulers"] = [c.scheduler.state_dict() for c in configs]
         out["param_groups"] = [hyperparameters(optimizer)]
+    out["precision"] = scaler_after_step(out["precision"])
     out["kind"], out["due_schedulers"], out["global_step"] = "batch_end", [], payload["global_step"] + 1
     return out
+
+
+def scaler_after_step(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A ``GradScaler`` state captured at prepare, advanced by the ``scaler.update()`` that
+    follows that step (16-mixed; any other precision state is returned as it is).
+
+    A transaction runs only when the scaler found no inf/nan gradients (it skips
+    ``optimizer.step`` otherwise), so this is ``update()`` with ``found_inf = 0``: torch's own
+    ``_amp_update_scale_`` on tensors built as ``GradScaler`` builds them, hence bit-exact
+    (growth by ``growth_factor`` after ``growth_interval`` successful steps, unless the new
+    scale would be inf; the growth tracker counts or restarts).
+    """
+    if not state or "_growth_tracker" not in state:
+        return state
+    scale = torch.full((), state["scale"], dtype=torch.float32)
+    tracker = torch.full((), state["_growth_tracker"], dtype=torch.int32)
+    torch._amp_update_scale_(scale, tracker, torch.zeros((), dtype=torch.float32), state["growth_factor"],
+                             state["backoff_factor"], state["growth_interval"])
+    return dict(state, scale=scale.item(), _growth_tracker=int(tracker.item()))
 
 
 def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:

@@ -295,6 +295,8 @@ class LetoStrategy(DDPStrategy):
                 out = inner()
                 link.update_start(ro.iteration)
                 return out
+        elif link is not None:  # 16-mixed: the precision plugin ran the closure before the scaler's step
+            link.update_start(ro.iteration)
         loss = ro.step(closure)
         ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
         self.stepped_in_batch = True
