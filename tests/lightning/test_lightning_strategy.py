@@ -107,12 +107,6 @@ def test_bad_options_raise_when_built(kwargs: dict, message: str) -> None:
         LetoStrategy(**kwargs)
 
 
-class _Manual(TinyModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
 class _LBFGS(TinyModule):
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters())
@@ -131,7 +125,6 @@ class _Fused(TinyModule):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("manual", "manual optimization"),
     ("lbfgs", "LBFGS"),
     ("plateau", "ReduceLROnPlateau"),
     ("fused", "capturable"),
@@ -140,7 +133,7 @@ class _Fused(TinyModule):
 ])
 def test_rejected_at_setup_with_advice(case: str, message: str, job: str) -> None:
     def child() -> None:
-        models = {"manual": _Manual, "lbfgs": _LBFGS, "plateau": _Plateau, "fused": _Fused}
+        models = {"lbfgs": _LBFGS, "plateau": _Plateau, "fused": _Fused}
         model = models.get(case, TinyModule)()
         kwargs = dict(accelerator="cpu", devices=2 if case == "devices" else 1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

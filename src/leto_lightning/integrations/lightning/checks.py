@@ -40,9 +40,6 @@ def check_trainer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> None:
     if strategy.root_device.type != "cpu":
         raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
                          "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
-    if not trainer.lightning_module.automatic_optimization:
-        raise ValueError("manual optimization is not supported by LetoStrategy yet: its optimizer step happens inside "
-                         "training_step, so there is no batch boundary to resume at; use automatic optimization")
 
 
 def check_precision(precision: Precision) -> None:

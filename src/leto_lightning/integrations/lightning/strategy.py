@@ -98,6 +98,7 @@ class LetoStrategy(DDPStrategy):
         self._resume_payload: Any = None
         self._resumed = False
         self._pending_rng: dict | None = None
+        self._resumed_kind: str | None = None  # the payload kind the last fit resumed from
         self._optimizers_ready = False
         self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
 
@@ -202,11 +203,14 @@ class LetoStrategy(DDPStrategy):
         self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
         payload_fn: Callable[[], Any] = lambda: self.loop_state.payload_at_prepare(trainer)
         module = self.lightning_module
+        # Manual optimization steps inside training_step: the update stays open (rolled back by
+        # recovery) until the batch ends, which needs the whole-state undo copy (docs/lightning.md).
+        manual = not module.automatic_optimization
         if self._resume_next_fit:
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
-            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
+            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn, rollback_window=manual)
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
             self._resumed = True
         else:
@@ -215,9 +219,9 @@ class LetoStrategy(DDPStrategy):
             config.check_devices(self.num_processes)
             names = {p: n for n, p in module.named_parameters()}
             spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
-                             layout_for(optimizer, config, names), config)
+                             layout_for(optimizer, config, names, whole_state=manual), config)
             store = _create_store(spec)
-            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn)
+            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn, rollback_window=manual)
             # A checkpoint's weights and optimizer state move into the new store, which starts at
             # its global step with its payload committed (a crash before the next step resumes there).
             ro.bind(adopt=False, iteration=iteration, payload=self._resume_payload)
@@ -309,11 +313,15 @@ class LetoStrategy(DDPStrategy):
         payload; the record's two slots keep the previous one until this write is complete)."""
         ro = self.retained
         assert ro is not None
+        if ro.rollback_window:
+            ro.seal(payload)  # manual optimization: the batch's update is kept from here on
+            return
         ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": payload})
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
+        self._continue_buffer_sync()
         if self._pending_rng is not None:
             set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
             self._pending_rng = None
@@ -322,6 +330,16 @@ class LetoStrategy(DDPStrategy):
             self.record_payload(capture(trainer, "start"))
         if self.runtime is not None and self.runtime.resume_pending and self.retained is not None:
             self.runtime.resumed(self.retained.iteration)  # loop, RNG and data position are restored
+
+    def _continue_buffer_sync(self) -> None:
+        """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the first forward of a new
+        wrapper, later only after forwards that synchronised gradients -- never in manual
+        optimization, where Lightning turns the reducer off during forward. A resumed manual run
+        must not broadcast either, or every other rank's statistics become rank 0's."""
+        kind, self._resumed_kind = self._resumed_kind, None
+        if kind not in (None, "start") and not self.lightning_module.automatic_optimization and isinstance(
+                self.model, torch.nn.parallel.DistributedDataParallel):
+            self.model.require_forward_param_sync = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.stepped_in_batch = False
@@ -378,7 +396,7 @@ class LetoStrategy(DDPStrategy):
             if self._resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
                 return ckpt_file
             ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
-            self._pending_rng = ckpt["leto"].get("rng")
+            self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
             return ckpt
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -386,7 +404,7 @@ class LetoStrategy(DDPStrategy):
             raise RuntimeError(f"ckpt_path={RETAINED_CKPT!r} resumes training from retained memory: use it with "
                                "trainer.fit() on a Trainer with LetoStrategy")
         ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
-        self._pending_rng = ckpt["leto"].get("rng")
+        self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
