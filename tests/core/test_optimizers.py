@@ -111,3 +111,27 @@ def test_optimizer_with_unretainable_state_is_refused_by_name():
 
     with pytest.raises(UnsupportedOptimizerError, match="'history'"):
         RetainedOptimizer.create(Odd(Net().parameters(), lr=0.1), RetainedConfig(page_bytes=512))
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop_whole", "adamw"])
+def test_shadow_bound_before_the_first_step_resumes_with_the_lazy_state(optimizer):
+    """A shadow binds its views while the active trainer has not stepped yet (no optimizer state
+    exists: torch creates it at the first step). Promoted later, it must continue with the state
+    the active trainer built, not start a fresh one. (Found with manual optimization under
+    ``leto launch``: every whole-state optimizer is affected.)"""
+    from leto_lightning.faults.scenario import CoreScenario, differences, run_step, snapshot
+
+    sc = CoreScenario(optimizer=optimizer, n_ranks=1, rollback=optimizer == "adamw")
+    reference = sc.reference(3)
+    job = sc.create_job()
+    try:
+        shadow_model, shadow_opt = sc.build(0)
+        shadow = RetainedOptimizer(shadow_opt, job.stores[0], rollback_window=sc.rollback)
+        shadow.bind(adopt=True, resume=False)  # pre-initialised before any step
+        for it in range(2):
+            job.step(0, it)
+        shadow.resume()  # promoted
+        run_step(sc, shadow_model, shadow, 0, 2)
+        assert differences(snapshot(shadow_model, shadow_opt), reference[0][3]) == []
+    finally:
+        job.close()

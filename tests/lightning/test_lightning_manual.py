@@ -153,3 +153,24 @@ def test_two_steps_in_one_training_step_are_refused(job: str) -> None:
         return "no error"
 
     assert "at most once per training_step" in run_in_child(run).value
+
+
+def test_manual_optimization_under_leto_launch_with_hofs(tmp_path) -> None:
+    """The example with ``--manual`` under ``leto launch``: a HOF mid-update on rank 1 and one
+    between rank 0's commit and its batch end (both ranks roll that step back and redo it);
+    the shadows take over; bit-identical to the same script under Lightning's DDP."""
+    from launch_job import ddp_reference, launch, same_state
+
+    steps = 24
+    faults = [{"id": 0, "rank": 1, "iteration": 5, "point": "whole.math_done", "wait_shadows": True},
+              {"id": 1, "rank": 0, "iteration": 14, "point": "seal.begin", "wait_shadows": True}]
+    run = launch(tmp_path / "run", steps, faults=faults, extra_script=["--manual"])
+    assert run.returncode == 0, run.output[-4000:]
+    finished = [e for e in run.of("recovery_finished") if not e.get("interrupted")]
+    assert [e["promoted"] for e in finished] == ["shadow", "shadow"], run.output[-4000:]
+    ddp = ddp_reference(tmp_path / "ddp", steps, "--manual")
+    assert ddp.returncode == 0, ddp.output[-4000:]
+    for rank in range(2):
+        assert same_state(run.final(rank), ddp.final(rank)) == [], f"rank {rank}"
+    assert run.loss_series() == ddp.loss_series()
+    assert len([s for s in run.loss_series() if s[2]]) == steps

@@ -92,6 +92,26 @@ class TinyTransformerLM(pl.LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
 
+class ManualTinyTransformerLM(TinyTransformerLM):
+    """``--manual``: the same model trained with manual optimization (clipping, the step and
+    the scheduler in ``training_step``; the loss logged after the step)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = self._loss(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        sched.step()
+        self.log("train_loss", loss)
+        return loss
+
+
 def markov_data(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
     """Sequences from a fixed random Markov chain (a few likely successors per token)."""
     g = torch.Generator().manual_seed(seed)
@@ -127,6 +147,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=10, help="ModelCheckpoint every N steps (0: off)")
     p.add_argument("--wandb", action="store_true", help="also log to wandb (offline)")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to every step")
+    p.add_argument("--manual", action="store_true", help="manual optimization (the step inside training_step)")
     p.add_argument("--out", default="lightning_tiny_out", help="output directory without leto launch")
     args = p.parse_args()
 
@@ -136,7 +157,7 @@ def main() -> None:
     world = args.devices
     train = markov_data(args.batch_size * args.batches_per_epoch * world, 32, 32, seed=1)
     val = markov_data(32, 32, 32, seed=2)
-    model = TinyTransformerLM(total_steps=args.max_steps)
+    model = (ManualTinyTransformerLM if args.manual else TinyTransformerLM)(total_steps=args.max_steps)
 
     loggers: list = [CSVLogger(run_dir, name="csv")]
     if args.wandb:
@@ -157,7 +178,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, devices=world, accelerator="cpu", max_steps=args.max_steps,
         logger=loggers, callbacks=callbacks, log_every_n_steps=1, val_check_interval=args.val_every,
-        limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=1.0, deterministic=True,
+        limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=None if args.manual else 1.0, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))
     # leto launch's slow path (a failure that is not a HOF): restart from the last checkpoint file.
     # (A promoted shadow ignores ckpt_path: it continues from retained memory.)

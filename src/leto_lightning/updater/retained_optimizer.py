@@ -197,6 +197,10 @@ class RetainedOptimizer:
         """A shadow taking over: finish a prepared whole-state step recovery left pending (it
         needs the optimizer object) and continue after the last committed iteration.
         Returns the committed resume payload (None when nothing was committed yet)."""
+        if self.layout.family == "generic":
+            # A shadow bound its views before the active trainer's first step created the
+            # optimizer state lazily: bind that state now, or the next step would start afresh.
+            self._bind_generic(adopt=True)
         rec = self.store.record.read()
         if rec is None:
             self.iteration = 0
