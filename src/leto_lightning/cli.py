@@ -13,6 +13,7 @@ import importlib
 import sys
 
 _SUBCOMMANDS = {
+    "cleanup": "leto_lightning.runtime.cleanup",
     "demo": "leto_lightning.demo",
     "launch": "leto_lightning.runtime.launch",
     "simulate": "leto_lightning.sim.cli",

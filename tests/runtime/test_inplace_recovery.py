@@ -161,8 +161,9 @@ def test_sigterm_stops_everything_and_frees_memory(tmp_path):
 
 def test_trainers_die_with_a_killed_agent(tmp_path):
     """SIGKILL of `leto launch` itself: its trainers and shadows go with it (PR_SET_PDEATHSIG);
-    retained memory it could not free is removed by job id."""
-    from leto_lightning.retained.shm import unlink_segments
+    the retained memory it could not free is freed by `leto cleanup RUN_DIR`."""
+    from leto_lightning import cli
+    from leto_lightning.retained.shm import list_segments, unlink_segments
     from leto_lightning.runtime.procs import is_alive
 
     proc = start(tmp_path, ITERATIONS, script_args=["--sleep", "0.2"])
@@ -173,6 +174,12 @@ def test_trainers_die_with_a_killed_agent(tmp_path):
         events = list(_events(tmp_path))
         pids = [e["pid"] for e in events if e["event"] == "process_started"]
         wait_for(lambda: not any(is_alive(p) for p in pids), 10, "the trainers to die with the agent")
+        (job_id,) = [e["job_id"] for e in events if e["event"] == "job_started"]
+        left = list_segments(f"leto-{job_id}-")
+        assert left, "the killed agent could not free its memory"
+        assert cli.main(["cleanup", "--list"]) == 0
+        assert cli.main(["cleanup", str(tmp_path)]) == 0  # `leto cleanup RUN_DIR`
+        assert list_segments(f"leto-{job_id}-") == []
     finally:
         stop(proc)
         for e in _events(tmp_path):

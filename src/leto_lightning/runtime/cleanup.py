@@ -1,0 +1,146 @@
+"""``leto cleanup``: free retained memory that outlived its job.
+
+Retained memory outlives trainers by design, and ``leto launch`` frees its job's segments when
+the job ends -- even after SIGINT/SIGTERM. Only an agent that was itself SIGKILLed (or a
+machine-level kill of the whole process tree) leaves ``/dev/shm/leto-<job_id>-*`` behind. This
+command finds those segments and removes them, refusing while anything still uses them:
+
+- ``leto cleanup RUN_DIR ...``: the jobs named in each run directory's ``events.jsonl``
+  (``job_started`` / ``fallback_checkpoint`` carry the job id), once their agent is gone;
+- ``leto cleanup --job JOB_ID``: one job;
+- ``leto cleanup --list``: every job with segments here: size, and which processes map it.
+
+A segment some process still maps (``/proc/<pid>/maps``) is never removed without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from ..retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments, unlink_segment
+from .events import iter_events
+from .procs import is_alive
+
+
+@dataclass
+class RetainedJob:
+    """The segments of one job id in /dev/shm, and who maps them."""
+
+    job_id: str
+    segments: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    users: set[int] = field(default_factory=set)  # pids mapping any of its segments
+
+
+def job_of(segment: str) -> str:
+    """``leto-<job_id>-<parts>`` -> ``<job_id>`` (job ids contain no '-')."""
+    return segment[len(SEGMENT_PREFIX):].split("-", 1)[0]
+
+
+def retained_jobs() -> dict[str, RetainedJob]:
+    """Every job with segments in /dev/shm, with sizes and the pids that map them."""
+    jobs: dict[str, RetainedJob] = {}
+    for name in list_segments():
+        job = jobs.setdefault(job_of(name), RetainedJob(job_of(name)))
+        job.segments.append(name)
+        try:
+            job.nbytes += os.stat(os.path.join(SHM_DIR, name)).st_size
+        except FileNotFoundError:  # freed meanwhile
+            pass
+    for pid, job_id in _mappings():
+        if job_id in jobs:
+            jobs[job_id].users.add(pid)
+    return jobs
+
+
+def _mappings() -> list[tuple[int, str]]:
+    """(pid, job id) for every process of this user that maps a Leto segment."""
+    out = []
+    marker = os.path.join(SHM_DIR, SEGMENT_PREFIX)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                found = {job_of(line.split(SHM_DIR + "/", 1)[1].split()[0]) for line in f if marker in line}
+        except OSError:  # gone, or another user's
+            continue
+        out.extend((int(entry), job) for job in found)
+    return out
+
+
+def jobs_in_run_dir(run_dir: str) -> tuple[list[str], list[int]]:
+    """(job ids, agent pids) named in a run directory's event log."""
+    job_ids, agents = [], []
+    for event in iter_events(run_dir):
+        if event.get("job_id") and event["job_id"] not in job_ids:
+            job_ids.append(event["job_id"])
+        if event["event"] == "job_started" and event.get("pid"):
+            agents.append(int(event["pid"]))
+    if not job_ids:
+        raise ValueError(f"{run_dir}: no job id in its events.jsonl (is it a `leto launch` run directory?)")
+    return job_ids, agents
+
+
+def free(job_ids: list[str], force: bool = False, dry_run: bool = False, out=print) -> int:
+    """Remove the segments of ``job_ids``; returns 1 if something was refused, else 0."""
+    jobs, refused = retained_jobs(), 0
+    for job_id in job_ids:
+        job = jobs.get(job_id)
+        if job is None:
+            out(f"{job_id}: no retained memory left")
+            continue
+        if job.users and not force:
+            out(f"{job_id}: in use by pid(s) {sorted(job.users)}; not freed (stop them first, or --force)")
+            refused = 1
+            continue
+        verb = "would free" if dry_run else "freed"
+        if not dry_run:
+            for name in job.segments:
+                unlink_segment(name)
+        out(f"{job_id}: {verb} {len(job.segments)} segment(s), {job.nbytes / 2**20:.1f} MiB")
+    return refused
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "cleanup", help="free retained memory left behind by a job whose agent was killed",
+        description=("Free /dev/shm/leto-<job_id>-* segments that outlived their job: `leto launch` frees them "
+                     "when the job ends, but not if the agent itself was SIGKILLed. Segments that a process "
+                     "still maps are never freed without --force."))
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories of `leto launch` jobs")
+    p.add_argument("--job", action="append", default=[], metavar="JOB_ID", help="a job id (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the jobs that hold retained memory here")
+    p.add_argument("--dry-run", action="store_true", help="say what would be freed, free nothing")
+    p.add_argument("--force", action="store_true", help="free even segments that a process still maps")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list()
+    if not args.run_dirs and not args.job:
+        raise ValueError("name RUN_DIRs or --job JOB_ID (or --list)")
+    job_ids = list(args.job)
+    for run_dir in args.run_dirs:
+        ids, agents = jobs_in_run_dir(run_dir)
+        live = [pid for pid in agents if is_alive(pid)]
+        if live and not args.force:
+            print(f"{run_dir}: its agent (pid {live}) is still running; it frees its memory when the job ends")
+            return 1
+        job_ids += [j for j in ids if j not in job_ids]
+    return free(job_ids, force=args.force, dry_run=args.dry_run)
+
+
+def _list() -> int:
+    jobs = retained_jobs()
+    if not jobs:
+        print("no Leto retained memory in " + SHM_DIR)
+        return 0
+    print(f"{'job id':<24} {'segments':>8} {'MiB':>9}  mapped by")
+    for job in sorted(jobs.values(), key=lambda j: j.job_id):
+        users = ", ".join(str(p) for p in sorted(job.users)) or "nobody"
+        print(f"{job.job_id:<24} {len(job.segments):>8} {job.nbytes / 2**20:>9.1f}  {users}")
+    return 0
