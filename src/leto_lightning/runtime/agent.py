@@ -44,16 +44,46 @@ class LaunchSpec:
     run_dir: str = "leto-runs/latest"
     faults: list[dict] = field(default_factory=list)
     python: str = sys.executable
+    # Per-rank supervision (torchrun / srun workers that became their rank's agent): this agent is
+    # one of ``nnodes`` one-rank "nodes" (``node_rank`` = the rank); its trainers see the real
+    # layout (local rank, local world size, node rank) so that Lightning's rank arithmetic holds.
+    trainer_layout: tuple[int, int, int] | None = None
+    external_store: bool = False  # connect to a store hosted elsewhere (torchrun's agent store)
+    store_prefix: str = ""  # namespace of the job's keys in that store
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} and nnodes={self.nnodes} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.external_store and not self.master_port:
+            raise ValueError("an external store needs its --master-port")
+        if self.trainer_layout is not None:
+            self._check_layout(*self.trainer_layout)
+
+    def _check_layout(self, local_rank: int, local_world_size: int, node: int) -> None:
+        if self.nproc_per_node != 1:
+            raise ValueError(f"--trainer-layout supervises one rank per agent: --nproc-per-node must be 1, "
+                             f"not {self.nproc_per_node}")
+        if not 0 <= local_rank < local_world_size or node < 0:
+            raise ValueError(f"trainer layout (local rank {local_rank}, local world size {local_world_size}, node "
+                             f"{node}): need 0 <= local rank < local world size and node >= 0")
+        if self.nnodes % local_world_size or node * local_world_size + local_rank != self.node_rank:
+            raise ValueError(
+                f"rank {self.node_rank} of {self.nnodes} as local rank {local_rank} of {local_world_size} on node "
+                f"{node}: ranks must be laid out node by node (rank = node x local world size + local rank), with "
+                "the same number on every node")
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def events_dir(self) -> str:
+        """Per-rank agents share the run dir; the job's ``events.jsonl`` is rank 0's agent's."""
+        if self.trainer_layout is None or self.node_rank == 0:
+            return self.run_dir
+        return os.path.join(self.run_dir, "agents", f"rank{self.node_rank}")
 
 
 class JobStopped(Exception):
@@ -65,7 +95,7 @@ class Agent(RecoveryMixin):
         self.spec = spec
         self.config = config or RuntimeConfig()
         self.out = out or sys.stdout
-        self.events = EventLog(spec.run_dir)
+        self.events = EventLog(spec.events_dir)
         self.generation = 0
         self.shadow_set = ""  # "<generation>-<k>": derived from job-wide events, so equal on all nodes
         self._replacements_seen = 0
@@ -79,7 +109,7 @@ class Agent(RecoveryMixin):
         self._heartbeats: dict[int, tuple[bytes, float]] = {}
         self._stop_signal: int | None = None
         self._last_poll = time.time()
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
 
     # -- the main loop ---------------------------------------------------------------------
     def run(self) -> int:
@@ -91,6 +121,8 @@ class Agent(RecoveryMixin):
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_store()
+            self.job_id = self._shared_job_id(self.job_id)
+            self.all_job_ids = [self.job_id]
             self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size, job_id=self.job_id,
                              node_rank=self.spec.node_rank, script=self.spec.script, pid=os.getpid())
             self._start_actives(resume="")
@@ -142,9 +174,25 @@ class Agent(RecoveryMixin):
         s = self.spec
         if s.nnodes > 1 and not s.master_port:
             raise ValueError("a multi-node job needs --master-port (the same on every node)")
-        self.store = dist.TCPStore(s.master_addr, s.master_port, world_size=None, is_master=(s.node_rank == 0),
-                                   timeout=timedelta(seconds=60), wait_for_workers=False)
-        self.port = self.store.port
+        store = dist.TCPStore(s.master_addr, s.master_port, world_size=None,
+                              is_master=(s.node_rank == 0 and not s.external_store),
+                              timeout=timedelta(seconds=60), wait_for_workers=False)
+        self.port = store.port
+        self.store = dist.PrefixStore(s.store_prefix, store) if s.store_prefix else store
+
+    def _shared_job_id(self, mine: str) -> str:
+        """Per-rank agents agree on one retained-memory job id per start (first writer wins):
+        the trainers of a node's ranks attach each other's stores for tier-2 parity."""
+        if self.spec.trainer_layout is None:
+            return mine
+        got = self.store.compare_set(keys.JOB_ID.format(gen=self.generation), "", mine)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    def _device_index(self, rank: int) -> int:
+        """The local index (device) of a rank of this agent."""
+        if self.spec.trainer_layout is not None:
+            return self.spec.trainer_layout[0]
+        return rank - self.spec.node_rank * self.spec.nproc_per_node
 
     def _env(self, local_rank: int, role: str, generation: int, resume: str) -> dict[str, str]:
         s = self.spec
@@ -158,6 +206,13 @@ class Agent(RecoveryMixin):
             LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.config.shadow_level), LETO_RESUME=resume,
             LETO_FAULTS=json.dumps(self._pending_faults()), PYTHONUNBUFFERED="1",
         )
+        if s.trainer_layout is not None:  # the real layout: Lightning computes ranks from it
+            real_local, real_size, real_node = s.trainer_layout
+            env.update(LOCAL_RANK=str(real_local), LOCAL_WORLD_SIZE=str(real_size), GROUP_RANK=str(real_node),
+                       LETO_NODE_RANK=str(real_node))
+        env.pop("LETO_STORE_PREFIX", None)
+        if s.store_prefix:
+            env["LETO_STORE_PREFIX"] = s.store_prefix
         return env
 
     def _spawn(self, local_rank: int, role: str, resume: str) -> TrainerProcess:

@@ -17,3 +17,4 @@ FAILURE = "failure/{gen}"  # json {rank, hof, reason, node}: the job-wide verdic
 NODE_STEP = "node/{gen}/{step}/{node}"  # a node reached a lockstep point of a recovery (value: its data)
 SHADOW_REPLACE = "sreplace/{gen}"  # counter: shadow sets replaced in generation gen (all nodes follow)
 FINISHED = "finished/{gen}/{rank}"  # a trainer completed training; an abnormal exit after it is not a failure
+JOB_ID = "jobid/{gen}"  # per-rank agents: the retained-memory job id from generation gen on (first writer wins)

@@ -39,6 +39,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--non-hof-exit-code", type=int, action="append", default=[],
                    help="an exit code that means the device is not operable (checkpoint restart)")
     p.add_argument("--faults", default="", help="JSON list of injected faults (tests, demos)")
+    g = p.add_argument_group(
+        "per-rank supervision",
+        "How LetoStrategy runs under torchrun and srun: each process they start becomes the agent of one rank "
+        "(--nproc-per-node 1, --nnodes WORLD_SIZE, --node-rank RANK), so the launcher never sees a rank die. "
+        "Built by the strategy itself; rarely typed by hand.")
+    g.add_argument("--trainer-layout", type=_layout, default=None, metavar="LOCAL_RANK,LOCAL_WORLD_SIZE,NODE_RANK",
+                   help="the rank's real place: its trainers get these LOCAL_RANK, LOCAL_WORLD_SIZE and "
+                        "GROUP_RANK/LETO_NODE_RANK (RANK and WORLD_SIZE stay --node-rank and --nnodes). Requires "
+                        "--nproc-per-node 1 and RANK = NODE_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK. The agent of local "
+                        "rank 0 repairs every retained store of its machine (tier-2 parity spans them)")
+    g.add_argument("--external-store", action="store_true",
+                   help="connect to a TCPStore someone else hosts at --master-addr:--master-port (torchrun's agent "
+                        "store) instead of hosting one in the node-0 agent")
+    g.add_argument("--store-prefix", default="", help="namespace of this job's keys in that store")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
@@ -49,10 +63,20 @@ def run(args: argparse.Namespace) -> int:
     spec = LaunchSpec(script=args.script, args=args.script_args, nproc_per_node=args.nproc_per_node,
                       nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, run_dir=run_dir,
-                      faults=json.loads(args.faults) if args.faults else [])
+                      faults=json.loads(args.faults) if args.faults else [], trainer_layout=args.trainer_layout,
+                      external_store=args.external_store, store_prefix=args.store_prefix)
     rules = tuple(ClassificationRule(False, f"exit code {c} declared non-HOF (--non-hof-exit-code)", exit_code=c)
                   for c in args.non_hof_exit_code)
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
                            max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
     return Agent(spec, config).run()
+
+
+def _layout(text: str) -> tuple[int, int, int]:
+    """``LOCAL_RANK,LOCAL_WORLD_SIZE,NODE_RANK`` -> three ints (range checks: ``LaunchSpec``)."""
+    try:
+        local_rank, local_world_size, node = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOCAL_RANK,LOCAL_WORLD_SIZE,NODE_RANK (three integers)")
+    return local_rank, local_world_size, node

@@ -22,6 +22,8 @@ from ..updater.recovery import local_agreement, recover_node
 from . import keys
 from .classify import Failure, classify, device_health
 
+FAILED = "failed"  # a node's recovery summary that says its repair failed (never a rank number)
+
 
 class RecoveryMixin:
     def _handle(self, failure: Failure) -> None:
@@ -55,8 +57,7 @@ class RecoveryMixin:
         """Classify locally, then publish: the first node to publish decides for the whole job."""
         if failure.remote_verdict is not None:
             return failure.remote_verdict
-        local = failure.rank - self.spec.node_rank * self.spec.nproc_per_node
-        v = classify(failure, self.config, device_health(local))
+        v = classify(failure, self.config, device_health(self._device_index(failure.rank)))
         mine = json.dumps({"rank": failure.rank, "hof": v.hof, "reason": v.reason, "device": v.device.source,
                            "node": self.spec.node_rank})
         return json.loads(self.store.compare_set(keys.FAILURE.format(gen=self.generation), "", mine))
@@ -72,9 +73,13 @@ class RecoveryMixin:
         return [json.loads(self.store.get(k)) for k in keys_all]
 
     def _agree(self, summary: dict) -> tuple:
-        """Job-wide roll-forward or rollback decision from every node's ``{rank: (status, iteration, open)}``."""
+        """Job-wide roll-forward or rollback decision from every node's ``{rank: (status, iteration, open)}``.
+        A node whose repair failed before it got here sends ``FAILED`` instead: every node raises."""
+        self._summary_sent = True
         merged = {}
         for part in self._node_sync("summary", {str(k): v for k, v in summary.items()}):
+            if FAILED in part:
+                raise RuntimeError(f"retained state unusable on another node ({part[FAILED]})")
             merged.update({int(k): v for k, v in part.items()})
         return local_agreement(merged)
 
@@ -103,14 +108,10 @@ class RecoveryMixin:
         self._node_sync("stopped", True)  # no node touches retained state while another still trains
         timing["stop"] = time.time() - t0
         t1 = time.time()
-        try:
-            reports = self._recover_retained()
-        except FileNotFoundError:
-            return self._restart_from_checkpoint("no retained state yet (the failure came before it was created)")
-        except (ProtectionError, RuntimeError) as exc:
-            return self._restart_from_checkpoint(f"retained state unusable: {exc}")
+        reports, resume_it, problem = self._recover_job_retained()
+        if problem is not None:
+            return self._restart_from_checkpoint(problem)
         timing["attach_repair"] = time.time() - t1
-        resume_it = min(r.resume_iteration for r in reports.values())
         promoted = self._promote_or_cold_start()
         outcome = self._wait_resumed(timing)
         if isinstance(outcome, Failure):
@@ -126,10 +127,49 @@ class RecoveryMixin:
             self._start_shadows()  # in the background: training goes on meanwhile
         return None
 
-    def _recover_retained(self) -> dict:
-        stores = {r - self._local_ranks()[0]: RetainedStore.attach(self.job_id, r) for r in self._local_ranks()}
+    def _recover_job_retained(self) -> tuple[dict, int | None, str | None]:
+        """Repair this node's retained stores; then every node learns whether all of them could
+        (else all restart from the checkpoint) and the job's resume iteration."""
+        reports, problem = {}, None
         try:
+            reports = self._recover_retained()
+        except FileNotFoundError:
+            problem = "no retained state yet (the failure came before it was created)"
+        except (ProtectionError, RuntimeError) as exc:
+            problem = f"retained state unusable: {exc}"
+        mine = {"problem": problem, "resume": min((r.resume_iteration for r in reports.values()), default=None)}
+        parts = self._node_sync("recovered", mine) if self.spec.nnodes > 1 else [mine]
+        problems = [p["problem"] for p in parts if p["problem"]]
+        resumes = [p["resume"] for p in parts if p["resume"] is not None]
+        if not problems and not resumes:
+            problems = ["no node repaired any retained store"]
+        return reports, min(resumes, default=None), problems[0] if problems else None
+
+    def _repair_ranks(self) -> list[int]:
+        """The ranks whose stores this agent repairs: its node's. A per-rank agent (torchrun,
+        srun) of local rank 0 repairs every store of its machine (tier-2 parity spans them);
+        the other per-rank agents repair none and only take part in the agreement."""
+        layout = self.spec.trainer_layout
+        if layout is None:
+            return self._local_ranks()
+        local_rank, local_world_size, _node = layout
+        return [] if local_rank else list(range(self.spec.node_rank, self.spec.node_rank + local_world_size))
+
+    def _recover_retained(self) -> dict:
+        self._summary_sent = False
+        ranks = self._repair_ranks()
+        if not ranks:
+            self._agree({})
+            return {}
+        stores = {}
+        try:
+            for local, rank in enumerate(ranks):
+                stores[local] = RetainedStore.attach(self.job_id, rank)
             return recover_node(stores, agree=self._agree)
+        except Exception as exc:
+            if not self._summary_sent:  # the other nodes wait for this node's summary: unblock them
+                self._node_sync("summary", {FAILED: f"node {self.spec.node_rank}: {type(exc).__name__}: {exc}"})
+            raise
         finally:
             for s in stores.values():
                 s.close()
@@ -211,7 +251,7 @@ class RecoveryMixin:
         self._kill(self.shadows)
         self.actives, self.shadows, self.pending_recovery = {}, {}, None
         unlink_segments(self.job_id)
-        self.job_id = new_job_id()
+        self.job_id = self._shared_job_id(new_job_id())
         self.all_job_ids.append(self.job_id)
         self._start_actives(resume="checkpoint")
         self._start_shadows()

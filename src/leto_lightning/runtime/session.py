@@ -319,6 +319,8 @@ def init() -> Session:
     """Connect to the agent of ``leto launch``. Shadows at level 1 or 2 wait here."""
     env = SessionEnv.from_environ()
     store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
+    if os.environ.get("LETO_STORE_PREFIX"):  # the agent's keys live in a namespace of a shared store (torchrun's)
+        store = dist.PrefixStore(os.environ["LETO_STORE_PREFIX"], store)
     session = Session(env, store)
     if session.is_shadow and env.level < 3:
         if env.level == 2 and torch.cuda.is_available():
