@@ -20,10 +20,17 @@ Recovery metrics (``recovery_metrics.py``) are logged by global rank 0 at the st
 training batches; which recoveries were logged is part of the payload too, so each recovery
 is logged once per metrics file.
 
-Logged *through this module*: ``CSVLogger`` (continued exactly), ``TensorBoardLogger``
-(version pinned; event files are appended) and any other logger (``WandbLogger``: every
-process writes its own offline run; the recovery metrics are in the run of the process that
-logged them).
+- ``TensorBoardLogger`` writes a new event file per process; a resuming one purges from the
+  payload's step (TensorBoard's ``purge_step``) and logs again what the payload says was logged
+  at or after it (``tensorboard_logs.py``).
+
+Logged *through this module*: ``CSVLogger`` and ``TensorBoardLogger`` (continued exactly) and
+any other logger (``WandbLogger``: every process writes its own offline run; the recovery
+metrics are in the run of the process that logged them).
+
+Without ``leto launch`` (``fit(ckpt_path="leto://retained")`` or a checkpoint file in a new
+process) the same applies to loggers whose ``version`` is given; there is no agent to agree
+on a version, and no recovery metrics.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
+from .tensorboard_logs import TensorBoardContinuity
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime_link import RuntimeLink
@@ -58,22 +66,27 @@ class LogKeeper:
         self.pending: dict | None = None  # step metrics of the resumed batch, still to be logged
         self.ckpt_step = 0  # global step of the newest checkpoint file when this process resumed
         self.kept: set[int] = set()  # CSVLoggers whose file this process continues (not recreates)
+        self.tensorboard: dict[int, TensorBoardContinuity] = {}  # TensorBoardLogger index -> its keeper
+        self.tb_kept: set[int] = set()  # TensorBoardLoggers this process continues
         self.active = False
 
     # -- before Lightning creates the loggers' experiments (setup_environment) --------------
-    def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink", rank: int) -> None:
+    def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink | None", rank: int, continues: bool = False) -> None:
+        """``link``: under ``leto launch``; without it, ``continues`` says whether this fit resumes
+        (from retained memory or a checkpoint file)."""
         self.active = True
-        resumes = link.resumes
-        continues = resumes or os.environ.get("LETO_RESUME") == "checkpoint"  # the logs go on from a payload
+        resumes = link is not None and link.resumes
+        if link is not None:  # the logs go on from a payload
+            continues = resumes or os.environ.get("LETO_RESUME") == "checkpoint"
         for index, logger in enumerate(trainer.loggers):
-            if getattr(logger, "_version", "") is None:
+            if link is not None and getattr(logger, "_version", "") is None:
                 key = VERSION_KEY.format(index=index)
                 if rank == 0 and not resumes:
                     value = link.publish_once(key, str(logger.version))
                 else:
                     value = link.wait_value(key)
                 logger._version = int(value) if value.isdigit() else value
-            if type(logger).__name__ == "WandbLogger" and logger._experiment is None:
+            if link is not None and type(logger).__name__ == "WandbLogger" and logger._experiment is None:
                 # Trainers die by SIGKILL here by design (every HOF stops every active trainer):
                 # wandb's default 15 s between writes of its run file would lose that much history.
                 os.environ.setdefault(WANDB_FLUSH_ENV, str(WANDB_FLUSH_S))
@@ -82,7 +95,11 @@ class LogKeeper:
                 if continues and logger._experiment is None:
                     logger._experiment = _writer_keeping_file(logger.log_dir)
                     self.kept.add(index)
-        if rank == 0:
+            if isinstance(logger, TensorBoardLogger) and rank == 0:
+                self.tensorboard[index] = TensorBoardContinuity.of(logger)
+                if continues:
+                    self.tb_kept.add(index)
+        if rank == 0 and link is not None:
             self.reader = EventReader(link.run_dir)
 
     def _count_rows(self, index: int, logger: CSVLogger) -> None:
@@ -102,13 +119,16 @@ class LogKeeper:
     def state(self, trainer: "pl.Trainer", kind: str) -> dict[str, Any] | None:
         if not self.active:
             return None
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
         return {"csv_rows": dict(self.rows), "recoveries": sorted(self.logged_recoveries),
                 "recovered": self.recovered_total,
+                "tensorboard": {i: tb.state(step) for i, tb in self.tensorboard.items()},
                 "pending": pending_step_metrics(trainer) if kind in ("prepare", "batch_end") else None}
 
     def continue_from(self, trainer: "pl.Trainer", payload: Any) -> None:
         """A resumed process (or a restart from a checkpoint file): cut the continued CSV files
-        back to the payload's rows (none without a payload), remember what was logged."""
+        back to the payload's rows (none without a payload), purge the TensorBoard logs from the
+        payload's step, remember what was logged."""
         if not self.active:
             return
         logs = (payload or {}).get("logs") or {}
@@ -116,6 +136,10 @@ class LogKeeper:
         for index in sorted(self.kept):
             self.rows[index] = _truncate(trainer.loggers[index].experiment, rows.get(index, 0))
         self.kept.clear()
+        boards = logs.get("tensorboard", {})
+        for index in sorted(self.tb_kept):
+            self.tensorboard[index].resume(boards.get(index))
+        self.tb_kept.clear()
         self.logged_recoveries = set(logs.get("recoveries", []))
         self.recovered_total = int(logs.get("recovered", 0))
         self.pending = logs.get("pending")

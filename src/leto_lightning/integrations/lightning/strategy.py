@@ -133,8 +133,9 @@ class LetoStrategy(DDPStrategy):
         super().setup_environment()  # accelerator, then setup_distributed
         module = self._lightning_module
         trainer = module._trainer if module is not None else None
-        if self.runtime is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.logs.prepare(trainer, self.runtime, self.global_rank)  # before Lightning creates experiments
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # before Lightning creates experiments
+            continues = self._resume_next_fit or self._ckpt_file is not None  # (without leto launch)
+            self.logs.prepare(trainer, self.runtime, self.global_rank, continues)
 
     def setup_distributed(self) -> None:
         if self.runtime is None:
@@ -181,8 +182,7 @@ class LetoStrategy(DDPStrategy):
             return
         if self._resumed:
             self._resume_payload = ro.resume()
-        elif self.runtime is not None:  # a checkpoint restart continues the logs from the file's payload
-            self.logs.continue_from(trainer, self._resume_payload)
+        self.logs.continue_from(trainer, self._resume_payload)  # a resume or a checkpoint file continues the logs
         super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
         if not self._resumed:
             # Checksums and parity of a new store describe what the broadcast left, not the
