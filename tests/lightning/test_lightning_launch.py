@@ -165,26 +165,45 @@ def _trainer(devices: int):
 
 
 _RANK_ENV = ("LETO_ROLE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID", "GROUP_RANK", "NODE_RANK")
+             "TORCHELASTIC_RUN_ID", "GROUP_RANK", "NODE_RANK", "LETO_NO_SUPERVISE")
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in _RANK_ENV:
+    for key in [*_RANK_ENV, *(k for k in os.environ if k.startswith("SLURM_"))]:
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
 
 
 def test_launchers_that_kill_every_rank_are_refused_at_trainer(clean_env) -> None:
-    """`python train.py` with devices=2 (Lightning's launcher) and torchrun: refused when the
-    Trainer is built, naming the command that works."""
+    """Lightning's launcher (`python train.py` with devices=2), torchrun and srun stop every rank
+    when one dies. From a script file the process becomes the supervisor (tested with real
+    launches in test_lightning_python_launch.py and test_lightning_torchrun.py); here, inside
+    pytest (no script file to re-run), each is refused when the Trainer is built, saying what
+    to do."""
     with pytest.raises(RuntimeError, match=r"does not start ranks.*`leto launch --nproc-per-node 2 "):
         _trainer(2)
     clean_env.setenv("TORCHELASTIC_RUN_ID", "x")
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
         clean_env.setenv(key, value)
-    with pytest.raises(RuntimeError, match=r"torchrun.*`leto launch --nproc-per-node 2 "):
+    with pytest.raises(RuntimeError, match=r"under torchrun: each rank's process becomes that rank's Leto agent.*"
+                                           r"`torchrun \.\.\. train\.py` \(not with -m"):
+        _trainer(2)
+    with pytest.raises(RuntimeError, match=r"torchrun started 2 ranks, 2 per node, but the Trainer asks for "
+                                           r"devices=4 x num_nodes=1.*--nproc-per-node"):
+        _trainer(4)
+    for key in _RANK_ENV:
+        clean_env.setenv(key, "")  # recorded: Lightning's SLURMEnvironment sets MASTER_ADDR/MASTER_PORT
+        clean_env.delenv(key)
+    for key, value in dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_PROCID="1",
+                           SLURM_LOCALID="1", SLURM_NODEID="0", SLURM_JOB_ID="1234", SLURM_JOB_NAME="train",
+                           SLURM_NODELIST="node[3-4]").items():
+        clean_env.setenv(key, value)
+    with pytest.raises(RuntimeError, match=r"under srun: each rank's process.*`srun python train\.py`"):
+        _trainer(2)
+    clean_env.setenv("SLURM_PROCID", "0")  # local rank 1 on node 0 must be rank 1
+    with pytest.raises(RuntimeError, match=r"srun made rank 0 local rank 1 on node 0.*--distribution=block"):
         _trainer(2)
 
 

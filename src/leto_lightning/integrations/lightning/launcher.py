@@ -13,10 +13,13 @@ Which launchers work (checked when the Trainer is built, ``check_launch``):
 - ``python script.py`` with ``devices > 1`` (where Lightning's own launcher would start the
   ranks and kill them all when one dies): the process re-runs itself as ``leto launch
   --nproc-per-node N script.py ...`` (exec) and becomes the ranks' supervisor.
-- ``torchrun``: refused -- it restarts every worker when one fails, and nothing would recover
-  the retained memory of the killed ones. (A per-worker supervisor is possible -- each worker an
-  agent of a one-rank "node" -- but Lightning's rank arithmetic and tier-2 parity need the real
-  node layout passed through; not built yet.)
+- ``torchrun ... script.py`` and ``srun python script.py`` (both stop every rank when one of
+  their processes dies): each process they start becomes its rank's agent -- it execs itself
+  into ``leto launch --nproc-per-node 1 --nnodes WORLD_SIZE --node-rank RANK --trainer-layout
+  ...`` and runs the rank's active and shadow trainers as its children, so the launcher never
+  sees a rank die (``per_rank.py``: store, run directory, tier 2). Refused, saying what to do:
+  a layout other than the Trainer's ``devices x num_nodes`` (numbered node by node), a module
+  or ``-c`` instead of a script file, ``LETO_NO_SUPERVISE=1``.
 - ``python script.py`` from ``python -c``, a REPL, ``python -m`` or with ``LETO_NO_SUPERVISE=1``:
   refused, naming the ``leto launch`` command.
 - ranks started by hand with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (tests, custom launchers):
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
+from . import per_rank
 from .environment import under_leto_launch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,21 +75,20 @@ def _supervisor_argv(strategy: "LetoStrategy", script: str) -> list[str]:
 
 def check_launch(strategy: "LetoStrategy") -> None:
     """Launchers that kill every rank when one dies: become their ranks' supervisor (re-run the
-    script under ``leto launch``) or, where that is impossible, refuse naming the command."""
+    script under ``leto launch``; under torchrun/srun each process becomes its rank's agent) or,
+    where that is impossible, refuse naming the command."""
     if under_leto_launch():
         return
     ranks = strategy.num_processes * strategy.num_nodes
     script = _plain_script()
+    rank_launch = per_rank.detect(strategy)
+    if rank_launch is not None:
+        per_rank.become_rank_agent(strategy, rank_launch, script)  # execs, or raises saying what to do
     lightning_spawns = ranks > 1 and not os.environ.get("TORCHELASTIC_RUN_ID") and not (
         strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally)
     if lightning_spawns and script and os.environ.get("LETO_NO_SUPERVISE") != "1" and strategy.num_nodes == 1:
         supervise(_supervisor_argv(strategy, script), script)
     command = f"`leto launch --nproc-per-node {strategy.num_processes} {_script()}`"
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        raise RuntimeError(
-            "LetoStrategy does not run under torchrun: torchrun restarts every worker when one fails, which is the "
-            f"failure Leto recovers from in place (and nothing would recover the killed ranks' retained memory). "
-            f"Start the script with {command} instead.")
     env = strategy.cluster_environment
     if ranks > 1 and not (env is not None and env.creates_processes_externally):
         raise RuntimeError(
