@@ -185,6 +185,12 @@ def wandb_history(run_dir: Path) -> dict[str, list[dict]]:
     return runs
 
 
+def wandb_groups(run_dir: Path) -> set[str]:
+    """The wandb group of every offline run under ``run_dir``."""
+    return {record.run.run_group for path in glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+            for record in wandb_records(path) if record.WhichOneof("record_type") == "run"}
+
+
 # -- nothing left behind -----------------------------------------------------------------------
 def assert_nothing_left(run: Run) -> None:
     pids = [e["pid"] for e in run.events if e["event"] in ("process_started", "job_started")]

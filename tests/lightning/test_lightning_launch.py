@@ -22,7 +22,8 @@ import signal
 
 import pytest
 
-from launch_job import (Run, ddp_reference, events, finish, launch, same_state, start, wait_for, wandb_history)
+from launch_job import (Run, ddp_reference, events, finish, launch, same_state, start, wait_for, wandb_groups,
+                        wandb_history)
 
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
 # checkpoints (every 7 steps, plus last.ckpt) after steps 6, 13, 20, 27, 34
@@ -101,6 +102,7 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
     assert "in-place recoveries: 5" in run.output and "HOFs: 5" in run.output
 
     # wandb (offline): the runs of the processes that logged them hold the same metrics
+    assert wandb_groups(run.run_dir) == {"leto-run"}  # one run per trainer process, one group per job
     history = [row for rows_ in wandb_history(run.run_dir).values() for row in rows_]
     logged = [row for row in history if "leto/recovery/total_s" in row]
     assert sorted(row["leto/recovery/generation"] for row in logged) == [e["generation"] for e in finished]

@@ -25,8 +25,9 @@ is logged once per metrics file.
   at or after it (``tensorboard_logs.py``).
 
 Logged *through this module*: ``CSVLogger`` and ``TensorBoardLogger`` (continued exactly) and
-any other logger (``WandbLogger``: every process writes its own offline run; the recovery
-metrics are in the run of the process that logged them).
+any other logger (``WandbLogger``: every process writes its own run, all in one wandb group
+named after the run directory (unless the logger names a group); the recovery metrics are in
+the run of the process that logged them).
 
 Without ``leto launch`` (``fit(ckpt_path="leto://retained")`` or a checkpoint file in a new
 process) the same applies to loggers whose ``version`` is given; there is no agent to agree
@@ -53,6 +54,11 @@ if TYPE_CHECKING:  # pragma: no cover
 VERSION_KEY = "lightning/logger{index}/version"
 WANDB_FLUSH_ENV = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"  # wandb's x_transaction_log_flush_interval
 WANDB_FLUSH_S = 1.0
+
+
+def wandb_group(run_dir: str) -> str:
+    """The wandb group of a ``leto launch`` job's runs: ``leto-<run dir name>``."""
+    return "leto-" + os.path.basename(os.path.abspath(run_dir))
 
 
 class LogKeeper:
@@ -90,6 +96,9 @@ class LogKeeper:
                 # Trainers die by SIGKILL here by design (every HOF stops every active trainer):
                 # wandb's default 15 s between writes of its run file would lose that much history.
                 os.environ.setdefault(WANDB_FLUSH_ENV, str(WANDB_FLUSH_S))
+                # One wandb run per trainer process: grouped, so the job reads as one in the UI.
+                if logger._wandb_init.get("group") is None:
+                    logger._wandb_init["group"] = wandb_group(link.run_dir)
             if isinstance(logger, CSVLogger) and rank == 0:
                 self._count_rows(index, logger)
                 if continues and logger._experiment is None:
