@@ -8,37 +8,24 @@ import csv
 import glob
 import json
 import os
-import signal
-import socket
 import struct
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from leto_lightning.examples import LIGHTNING_TINY
-from leto_lightning.runtime.events import iter_events, read_events
-from leto_lightning.runtime.procs import is_alive
+from leto_lightning.faults import launched
+from leto_lightning.faults.launched import LaunchedRun, free_port, wait_for  # noqa: F401  (re-exported)
+from leto_lightning.runtime.events import iter_events
 
 QUIET = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true",
              PYTHONWARNINGS="ignore")
 
 
-@dataclass
-class Run:
-    returncode: int
-    output: str
-    run_dir: Path
-    events: list[dict]
-
-    def of(self, name: str) -> list[dict]:
-        return [e for e in self.events if e["event"] == name]
-
-    def final(self, rank: int) -> dict:
-        return torch.load(self.run_dir / f"final_rank{rank}.pt", weights_only=False)
+class Run(LaunchedRun):
+    """A Lightning example's run: its CSVLogger file too."""
 
     def csv_rows(self) -> list[dict]:
         with open(self.run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
@@ -65,15 +52,7 @@ def start(run_dir: Path, max_steps: int, faults=(), extra_script=(), launch_extr
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> Run:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"leto launch did not finish in {timeout} s:\n{out[-5000:]}")
-    run = Run(proc.returncode, out, run_dir, read_events(run_dir))
-    assert_nothing_left(run)
-    return run
+    return launched.finish(proc, run_dir, timeout, result=Run)
 
 
 def launch(run_dir: Path, max_steps: int, **kw) -> Run:
@@ -105,15 +84,6 @@ def ddp_reference(run_dir: Path, max_steps: int, *extra: str, timeout: float = 1
                 p.communicate()
     code = max(p.returncode for p in procs)
     return Run(code, "\n".join(outs), run_dir, [])
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -193,14 +163,5 @@ def wandb_groups(run_dir: Path) -> set[str]:
 
 # -- nothing left behind -----------------------------------------------------------------------
 def assert_nothing_left(run: Run) -> None:
-    pids = [e["pid"] for e in run.events if e["event"] in ("process_started", "job_started")]
-    alive = [p for p in pids if is_alive(p)]
-    assert not alive, f"processes left running: {alive}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+    left = launched.leftovers(run)
+    assert not left, "; ".join(left)

@@ -59,7 +59,7 @@ def test_hofs_at_random_points_end_bit_identical(tmp_path, reference):
         assert e["resume_iteration"] >= e["failed_iteration"]
     assert not result.of("fallback_checkpoint"), "a HOF must never take the checkpoint path"
     for r in range(2):
-        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert same_state(result.final(r), reference.final(r)) == []
         assert result.losses(r) == reference.losses(r)
 
 
@@ -88,7 +88,7 @@ def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
     assert hang[0]["time"] - stopped_at < 6 + 10  # within the timeout (+ slack for a loaded machine)
     assert len(result.of("recovery_finished")) == 1
     for r in range(2):
-        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert same_state(result.final(r), reference.final(r)) == []
 
 
 def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, reference):
@@ -101,7 +101,7 @@ def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, referenc
     assert gens == [1, 2]
     assert result.of("recovery_finished")[-1]["generation"] == 2
     for r in range(2):
-        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert same_state(result.final(r), reference.final(r)) == []
 
 
 def test_non_hof_failure_takes_the_checkpoint_path(tmp_path, reference):
@@ -114,7 +114,7 @@ def test_non_hof_failure_takes_the_checkpoint_path(tmp_path, reference):
     assert "non-HOF" in fallback["reason"]
     assert "restarting from the last checkpoint" in result.output
     for r in range(2):
-        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert same_state(result.final(r), reference.final(r)) == []
 
 
 def _events(run_dir):
@@ -132,7 +132,7 @@ def test_level1_shadow_builds_after_promotion(tmp_path, reference):
     assert done["promoted"] == "shadow" and done["breakdown"]["init"] > 0
     assert {e["level"] for e in result.of("shadow_level")} == {1}
     for r in range(2):
-        assert same_state(result.final_state(r), reference.final_state(r)) == []
+        assert same_state(result.final(r), reference.final(r)) == []
 
 
 def test_failure_budget_stops_cleanly(tmp_path):

@@ -24,4 +24,4 @@ def test_two_nodes_recover_in_lockstep(tmp_path, reference):  # noqa: F811
     (verdict,) = results[0].of("classification")
     assert verdict["node"] == 1 and verdict["hof"]
     for rank, result in enumerate(results):
-        assert same_state(result.final_state(rank), reference.final_state(rank)) == []
+        assert same_state(result.final(rank), reference.final(rank)) == []
