@@ -229,9 +229,17 @@ class RetainedOptimizer:
     # -- the training-loop API -----------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place (they stay views); params that then receive no
-        gradient are skipped by the next step, as ``torch.optim`` skips ``grad is None``."""
+        gradient are skipped by the next step, as ``torch.optim`` skips ``grad is None``.
+
+        A ``.grad`` something else replaced since the last step (e.g. ``set_to_none`` before
+        validation, then a backward whose step was skipped) is dropped: the param points at its
+        zeroed view again, so nothing stale accumulates into the next step."""
         for seg in self.layout.segments:
             self.store.region_view(seg.index, GRAD).zero_()
+        for slot, p in zip(self.layout.params, self.params):
+            view = self.store.param_view(slot, GRAD)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
         self._received.clear()
 
     def step(self, closure: Callable | None = None):

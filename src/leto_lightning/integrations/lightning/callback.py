@@ -79,8 +79,6 @@ class LetoLoopStateCallback(Callback):
             return
         strategy.batch_open = False
         skipped = not strategy.stepped_in_batch and step_skipped(trainer, pl_module)
-        if skipped:
-            strategy.retained._adopt_foreign_grads()  # type: ignore[union-attr]  # see step_skipped
         if strategy.stepped_in_batch or (skipped and strategy.committed_any):
             strategy.record_payload(capture(trainer, "batch_end"))
             self.records += 1
@@ -120,7 +118,7 @@ def step_skipped(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool
     ``"start"`` payload stays, and a resume recomputes those batches deterministically.
 
     Gradients that replaced the retained views since the last step (``zero_grad(set_to_none=
-    True)`` before validation) were not adopted, as no step ran; the caller adopts them, or the
-    next window's in-place ``zero_grad`` would leave them, inf/nan included, to accumulate into.
+    True)`` before validation) were not adopted, as no step ran: the next window's
+    ``RetainedOptimizer.zero_grad`` points the params back at their zeroed views.
     """
     return pl_module.automatic_optimization and not trainer.fit_loop._should_accumulate()
