@@ -22,8 +22,9 @@ import signal
 
 import pytest
 
-from launch_job import (Run, ddp_reference, events, finish, launch, same_state, start, wait_for, wandb_groups,
-                        wandb_history)
+from launch_job import (Run, ddp_reference, events, finish, free_port, launch, same_state, start, wait_for,
+                        wandb_groups, wandb_history)
+from leto_lightning.faults.launched import stop
 
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
 # checkpoints (every 7 steps, plus last.ckpt) after steps 6, 13, 20, 27, 34
@@ -242,3 +243,31 @@ def test_recovery_metrics_and_summary_from_events() -> None:
     table = summary_table(events, now=t0 + 40)
     assert "HOFs: 2" in table and "in-place recoveries: 1" in table and "interrupted" in table
     assert "ETTR: 0.9750" in table
+
+
+def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp_path) -> None:
+    """Two `leto launch` node agents (loopback), one rank each, `Trainer(num_nodes=2,
+    devices=1)`: a HOF on node 1 mid-update is recovered on both nodes through the store;
+    bit-identical to the one-node fault-free run (same global ranks and data)."""
+    port = free_port()
+    faults = [{"id": 0, "rank": 1, "iteration": 11, "point": "chunk.math_done", "occurrence": 3,
+               "wait_shadows": True}]
+    procs = []
+    for node in (0, 1):
+        run_dir = tmp_path / f"node{node}"
+        run_dir.mkdir()
+        extra = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--nproc-per-node", "1"]
+        procs.append(start(run_dir, STEPS, faults=faults, launch_extra=extra,
+                           extra_script=["--devices", "1", "--num-nodes", "2"]))
+    try:
+        runs = [finish(p, tmp_path / f"node{n}") for n, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            stop(p)
+    for run in runs:
+        assert run.returncode == 0, run.output[-4000:]
+        (done,) = run.of("recovery_finished")
+        assert done["promoted"] == "shadow" and done["resume_iteration"] == 12
+    for rank in range(2):
+        assert same_state(runs[rank].final(rank), reference.final(rank)) == [], f"rank {rank}"
+    assert runs[0].loss_series() == reference.loss_series()

@@ -137,7 +137,8 @@ class SlowDown(pl.Callback):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="ranks per node")
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--strategy", default="leto")
     p.add_argument("--page-bytes", type=int, default=0,
                    help="retained page size (0: LetoStrategy's default); small pages = several chunks per step")
@@ -154,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     run_dir = os.environ.get("LETO_RUN_DIR", args.out)
     pl.seed_everything(0, workers=True, verbose=False)
-    world = args.devices
+    world = args.devices * args.num_nodes
     train = markov_data(args.batch_size * args.batches_per_epoch * world, 32, 32, seed=1)
     val = markov_data(32, 32, 32, seed=2)
     model = (ManualTinyTransformerLM if args.manual else TinyTransformerLM)(total_steps=args.max_steps)
@@ -176,7 +177,7 @@ def main() -> None:
 
         strategy = LetoStrategy(page_bytes=args.page_bytes)
     trainer = pl.Trainer(
-        strategy=strategy, devices=world, accelerator="cpu", max_steps=args.max_steps,
+        strategy=strategy, devices=args.devices, num_nodes=args.num_nodes, accelerator="cpu", max_steps=args.max_steps,
         logger=loggers, callbacks=callbacks, log_every_n_steps=1, val_check_interval=args.val_every,
         limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=None if args.manual else 1.0, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))
