@@ -36,6 +36,14 @@ class Run(LaunchedRun):
         return [(r["step"], r["epoch"], r["train_loss"], r["val_loss"]) for r in self.csv_rows()
                 if r.get("train_loss") or r.get("val_loss")]
 
+    def tensorboard(self, *tags: str) -> dict[str, list[tuple[int, float]]]:
+        """The scalar series of ``tags`` as TensorBoard reads them (``--tensorboard``): purges applied."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(self.run_dir / "tb" / "version_0"), size_guidance={"scalars": 0})
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags}
+
     def recovery_rows(self) -> list[dict]:
         return [r for r in self.csv_rows() if r.get("leto/recoveries")]
 

@@ -33,7 +33,7 @@ STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; v
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Run:
     """The fault-free run under ``leto launch`` every faulty run must match bit for bit."""
-    run = launch(tmp_path_factory.mktemp("reference") / "run", STEPS, extra_script=["--wandb"])
+    run = launch(tmp_path_factory.mktemp("reference") / "run", STEPS, extra_script=["--wandb", "--tensorboard"])
     assert run.returncode == 0, run.output[-4000:]
     assert not run.of("failure_detected")
     return run
@@ -76,7 +76,7 @@ def _hof_faults(seed: int) -> list[dict]:
 
 def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_path) -> None:
     faults = _hof_faults(seed=int(os.environ.get("LETO_SEED", "0")))
-    run = launch(tmp_path / "run", STEPS, faults=faults, extra_script=["--wandb"])
+    run = launch(tmp_path / "run", STEPS, faults=faults, extra_script=["--wandb", "--tensorboard"])
     assert run.returncode == 0, run.output[-4000:]
     finished = [e for e in run.of("recovery_finished") if not e.get("interrupted")]
     assert len(finished) == 5, [(e["event"], e.get("reason")) for e in run.events]
@@ -89,6 +89,9 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
     for rank in range(2):
         assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
     assert run.loss_series() == reference.loss_series()  # CSVLogger: every loss, once, in order
+    # TensorBoard: the promoted shadows' event files purge what a dead trainer logged past its payload
+    series = run.tensorboard("train_loss", "val_loss")
+    assert series == reference.tensorboard("train_loss", "val_loss") and len(series["train_loss"]) == STEPS
 
     # the recovery metrics: one CSV row per recovery, and the summary table
     rows = run.recovery_rows()

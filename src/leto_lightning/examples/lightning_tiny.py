@@ -147,6 +147,7 @@ def main() -> None:
     p.add_argument("--val-every", type=int, default=5, help="validation every N training batches")
     p.add_argument("--checkpoint-every", type=int, default=10, help="ModelCheckpoint every N steps (0: off)")
     p.add_argument("--wandb", action="store_true", help="also log to wandb (offline)")
+    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (RUN_DIR/tb)")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to every step")
     p.add_argument("--manual", action="store_true", help="manual optimization (the step inside training_step)")
     p.add_argument("--out", default="lightning_tiny_out", help="output directory without leto launch")
@@ -165,6 +166,10 @@ def main() -> None:
         from lightning.pytorch.loggers import WandbLogger
 
         loggers.append(WandbLogger(offline=True, save_dir=run_dir, project="leto-lightning-tiny"))
+    if args.tensorboard:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(run_dir, name="tb", default_hp_metric=False))
     callbacks: list = []
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(run_dir, "lightning_checkpoints"),
