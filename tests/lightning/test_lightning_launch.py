@@ -274,3 +274,22 @@ def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp
     for rank in range(2):
         assert same_state(runs[rank].final(rank), reference.final(rank)) == [], f"rank {rank}"
     assert runs[0].loss_series() == reference.loss_series()
+
+
+def test_16_mixed_with_hofs_equals_lightning_ddp(tmp_path) -> None:
+    """fp16 with a GradScaler (overflowing, backing off, growing) under `leto launch`: HOFs
+    mid-update and inside the epoch-end validation; the promoted shadows continue with the
+    scaler's state and run that validation again; bit-identical to the same script under
+    Lightning's DDP, validation rows included."""
+    steps = 20
+    faults = [{"id": 0, "rank": 1, "iteration": 4, "point": "chunk.math_done", "occurrence": 3, "wait_shadows": True},
+              {"id": 1, "rank": 0, "point": "lightning.validation", "occurrence": 3, "wait_shadows": True}]
+    run = launch(tmp_path / "run", steps, faults=faults, extra_script=["--precision", "16-mixed"])
+    assert run.returncode == 0, run.output[-4000:]
+    finished = [e for e in run.of("recovery_finished") if not e.get("interrupted")]
+    assert [e["promoted"] for e in finished] == ["shadow", "shadow"], run.output[-4000:]
+    ddp = ddp_reference(tmp_path / "ddp", steps, "--precision", "16-mixed")
+    assert ddp.returncode == 0, ddp.output[-4000:]
+    for rank in range(2):
+        assert same_state(run.final(rank), ddp.final(rank)) == [], f"rank {rank}"
+    assert run.loss_series() == ddp.loss_series()

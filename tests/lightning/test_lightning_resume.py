@@ -10,10 +10,12 @@ with ``page_bytes=512`` each step is 7 chunk transactions.
 
 from __future__ import annotations
 
+import csv
 import os
 
 import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
@@ -69,11 +71,9 @@ def crash_and_resume(job: str, tmp_path, optimizer: str, kill_at: KillPoint, via
     return out
 
 
-def check(out: dict, ref: tuple[dict, dict], ignore_rng: bool = False) -> None:
+def check(out: dict, ref: tuple[dict, dict]) -> None:
     snap, ref_losses = ref
     diffs = differences(out["snap"], snap)
-    if ignore_rng:
-        diffs = [d for d in diffs if d != "torch RNG state"]
     assert diffs == []
     crash, resumed = out["crash_losses"], out["resume_losses"]
     redone = {k for k in resumed if k in crash}
@@ -105,15 +105,12 @@ def test_resume_requested_by_environment(reference, job: str, tmp_path) -> None:
 
 
 def test_crash_in_the_last_update(reference, job: str, tmp_path) -> None:
-    """Killed during the run's last update: the resumed fit finishes that update and ends.
-
-    Known difference: the validation that followed the last step is not re-run (Lightning's
-    restart treats the final epoch as complete), so the RNG draw it made is missing; weights,
-    optimizer state and the loss series are identical.
-    """
+    """Killed during the run's last update: the resumed fit finishes that update, runs the
+    validation that followed it (the payload marks it due: Lightning would skip it) and ends --
+    bit-identical, RNG included."""
     out = crash_and_resume(job, tmp_path, "adamw", KillPoint("chunk.math_done", 14 * CHUNKS + 3))
     assert out["resume_iteration"] == 15 and out["resume_losses"] == {}
-    check(out, reference("adamw"), ignore_rng=True)
+    check(out, reference("adamw"))
 
 
 def test_checkpoint_and_early_stopping_state_survive(job: str, jobs, tmp_path) -> None:
@@ -164,3 +161,39 @@ def test_resume_from_a_checkpoint_file(job: str, jobs, tmp_path) -> None:
                                           loss_file=crash_losses))).value
     assert differences(got, ref) == []
     assert read_losses(crash_losses) == read_losses(ref_losses)  # steps 18-20 recomputed, same values
+
+
+def _validating(directory: str, strategy: LetoStrategy, **kw) -> RunConfig:
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(directory, "ck"), monitor="val_loss", save_top_k=2,
+                                 save_last=True), EarlyStopping(monitor="val_loss", patience=50)]
+    return RunConfig(strategy=strategy, accumulate=1, val_check_interval=0.5,
+                     trainer_kwargs={"callbacks": callbacks, "enable_checkpointing": True,
+                                     "logger": CSVLogger(directory, name="csv", version=0)}, **kw)
+
+
+def _val_rows(directory: str) -> list[tuple]:
+    with open(os.path.join(directory, "csv", "version_0", "metrics.csv"), newline="") as f:
+        return [(r["step"], r["epoch"], r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")]
+
+
+@pytest.mark.parametrize("occurrence", [1, 3, 6])  # 2 batches per validation, 2 validations per epoch
+def test_crash_during_validation_runs_it_again(occurrence: int, job: str, jobs, tmp_path) -> None:
+    """SIGKILL inside a validation (the first one; the one at epoch 0's end; mid-epoch 1):
+    Lightning's restart from the batch-end state would skip that validation -- its metrics,
+    the checkpoint it triggers, the RNG it draws. The payload marks it due, so the resumed fit
+    runs it first: the same validation rows, callback state and final state."""
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref_job = jobs()
+    ref = run_in_child(lambda: fit(_validating(ref_dir, _leto(ref_job)))).value
+    crashed = run_in_child(lambda: fit(_validating(run_dir, _leto(job))),
+                           kill_at=KillPoint("lightning.validation", occurrence))
+    assert crashed.killed
+
+    def resume() -> dict:
+        recover_node({0: RetainedStore.attach(job, 0)})
+        return fit(_validating(run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
+
+    got = run_in_child(resume).value
+    assert differences(got, ref) == []
+    assert got["callbacks"] == ref["callbacks"]
+    assert _val_rows(run_dir) == _val_rows(ref_dir) and len(_val_rows(ref_dir)) == 6

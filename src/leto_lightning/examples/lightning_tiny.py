@@ -150,6 +150,8 @@ def main() -> None:
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (RUN_DIR/tb)")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds added to every step")
     p.add_argument("--manual", action="store_true", help="manual optimization (the step inside training_step)")
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "16-mixed"),
+                   help="16-mixed: fp16 autocast with a GradScaler (on CPU through the MixedPrecision plugin)")
     p.add_argument("--out", default="lightning_tiny_out", help="output directory without leto launch")
     args = p.parse_args()
 
@@ -181,8 +183,15 @@ def main() -> None:
         from leto_lightning.integrations.lightning import LetoStrategy
 
         strategy = LetoStrategy(page_bytes=args.page_bytes)
+    precision: dict = {"precision": args.precision}
+    if args.precision == "16-mixed":  # on CPU, Trainer(precision="16-mixed") would mean bf16-mixed
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        # a high initial scale and a short growth interval: steps overflow, the scale backs off and grows
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     trainer = pl.Trainer(
-        strategy=strategy, devices=args.devices, num_nodes=args.num_nodes, accelerator="cpu", max_steps=args.max_steps,
+        **precision, strategy=strategy, devices=args.devices, num_nodes=args.num_nodes, accelerator="cpu", max_steps=args.max_steps,
         logger=loggers, callbacks=callbacks, log_every_n_steps=1, val_check_interval=args.val_every,
         limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=None if args.manual else 1.0, deterministic=True,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))

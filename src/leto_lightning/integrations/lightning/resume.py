@@ -106,6 +106,7 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
         "buffers": non_parameter_state(module),
         "loops": None if kind == "start" else {"fit_loop": trainer.fit_loop.state_dict()},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
+        "validation_due": kind in ("prepare", "batch_end") and validation_due(trainer),
     }
     keeper = getattr(trainer.strategy, "logs", None)  # loggers across processes (logs.py), under leto launch
     payload["logs"] = keeper.state(trainer, kind) if keeper is not None else None
@@ -130,6 +131,33 @@ def schedulers_due(trainer: "pl.Trainer") -> list[int]:
         due += [i for i, c in enumerate(configs) if not c.reduce_on_plateau and c.interval == "epoch"
                 and epoch % c.frequency == 0]
     return due
+
+
+def validation_due(trainer: "pl.Trainer") -> bool:
+    """Whether Lightning runs validation after this training batch (in the epoch loop's
+    ``on_advance_end``, after ``on_train_batch_end``)."""
+    loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(loop._should_check_val_fx(fetcher))
+
+
+def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
+    """A batch-end loop state whose validation never ran (the crash came before it ended)
+    turned into the state of a checkpoint Lightning saves *during* that validation: the batch
+    completed, the validation started and nothing of it processed. Lightning's restart then
+    runs the whole validation before the next batch ("restarted mid evaluation"), where from
+    the batch-end state it would skip it -- and its metrics, and what callbacks do with them."""
+    out = copy.deepcopy(loops)
+    fit = out["fit_loop"]
+    train = fit["epoch_loop.batch_progress"]
+    for scope in ("total", "current"):
+        train[scope]["completed"] = train[scope]["processed"]
+    val = fit["epoch_loop.val_loop.batch_progress"]
+    val["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}  # this run: started, nothing done
+    total = val["total"]  # the epoch's validation batches so far, plus this run's first
+    total["ready"] = total["started"] = total["completed"] + 1
+    total["processed"] = total["completed"]
+    return out
 
 
 # -- resume ----------------------------------------------------------------------------------
@@ -213,6 +241,8 @@ def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> d
                            f"writes version {PAYLOAD_VERSION}: resume with the version that wrote it")
     if payload is not None and payload["kind"] == "prepare":
         payload = finish_batch(trainer, payload)
+    if payload is not None and payload.get("validation_due"):
+        payload = dict(payload, loops=resume_into_validation(payload["loops"]))
     module = trainer.lightning_module
     state_dict = module.state_dict()
     optimizer = trainer.optimizers[0]
