@@ -197,3 +197,23 @@ def test_crash_during_validation_runs_it_again(occurrence: int, job: str, jobs, 
     assert differences(got, ref) == []
     assert got["callbacks"] == ref["callbacks"]
     assert _val_rows(run_dir) == _val_rows(ref_dir) and len(_val_rows(ref_dir)) == 6
+
+
+def test_second_crash_after_a_rerun_validation(job: str, jobs, tmp_path) -> None:
+    """A crash inside a validation, the resumed process runs it again, then dies itself at the
+    epoch's end: the third process resumes from the second's payload -- whose validation
+    counters must not say "mid evaluation" again (Lightning resets only the current ones)."""
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref_job = jobs()
+    ref = run_in_child(lambda: fit(_validating(ref_dir, _leto(ref_job)))).value
+    assert run_in_child(lambda: fit(_validating(run_dir, _leto(job))),
+                        kill_at=KillPoint("lightning.validation", 1)).killed
+
+    def resume(seed: int) -> dict:
+        recover_node({0: RetainedStore.attach(job, 0)})
+        return fit(_validating(run_dir, _leto(job), seed=seed, ckpt_path=RETAINED_CKPT))
+
+    assert run_in_child(lambda: resume(5), kill_at=KillPoint("lightning.epoch_end", 1)).killed
+    got = run_in_child(lambda: resume(6)).value
+    assert differences(got, ref) == []
+    assert _val_rows(run_dir) == _val_rows(ref_dir)

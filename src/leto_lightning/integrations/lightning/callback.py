@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .resume import capture, capturing
+from .resume import capture, capturing, settle_rerun_validation
 
 if TYPE_CHECKING:  # pragma: no cover
     from .strategy import LetoStrategy
@@ -102,6 +102,9 @@ class LetoLoopStateCallback(Callback):
             return
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
+        if strategy.rerunning_validation:
+            strategy.rerunning_validation = False
+            settle_rerun_validation(trainer)
         if strategy.clean_since_step and strategy.committed_any:
             strategy.record_payload(capture(trainer, "validation_end"))
             self.records += 1

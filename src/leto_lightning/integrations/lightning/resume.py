@@ -146,7 +146,11 @@ def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
     turned into the state of a checkpoint Lightning saves *during* that validation: the batch
     completed, the validation started and nothing of it processed. Lightning's restart then
     runs the whole validation before the next batch ("restarted mid evaluation"), where from
-    the batch-end state it would skip it -- and its metrics, and what callbacks do with them."""
+    the batch-end state it would skip it -- and its metrics, and what callbacks do with them.
+
+    Lightning resets only the ``current`` counters on such a restart: the validation's total
+    ``ready``/``started`` end one above ``completed``, which a later restart would read as
+    "mid evaluation" again; ``settle_rerun_validation`` takes the one back when it ends."""
     out = copy.deepcopy(loops)
     fit = out["fit_loop"]
     train = fit["epoch_loop.batch_progress"]
@@ -158,6 +162,15 @@ def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
     total["ready"] = total["started"] = total["completed"] + 1
     total["processed"] = total["completed"]
     return out
+
+
+def settle_rerun_validation(trainer: "pl.Trainer") -> None:
+    """After a validation ``resume_into_validation`` made Lightning run: the epoch's total
+    validation counters as an uninterrupted run has them (see there)."""
+    total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+    if total.ready == total.started == total.completed + 1:
+        total.ready -= 1
+        total.started -= 1
 
 
 # -- resume ----------------------------------------------------------------------------------
@@ -254,7 +267,8 @@ def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> d
         "state_dict": state_dict,
         "optimizer_states": [opt_state],
         "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-        "leto": {"kind": None if payload is None else payload["kind"]},
+        "leto": {"kind": None if payload is None else payload["kind"],
+                 "validation_rerun": bool(payload and payload.get("validation_due"))},
     }
     if payload is None:
         return ckpt

@@ -99,6 +99,7 @@ class LetoStrategy(DDPStrategy):
         self._resumed = False
         self._pending_rng: dict | None = None
         self._resumed_kind: str | None = None  # the payload kind the last fit resumed from
+        self.rerunning_validation = False  # resumed into a validation the crash interrupted (resume.py)
         self._optimizers_ready = False
         self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
 
@@ -397,6 +398,7 @@ class LetoStrategy(DDPStrategy):
                 return ckpt_file
             ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
             self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
+            self.rerunning_validation = ckpt["leto"]["validation_rerun"]
             return ckpt
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -405,6 +407,7 @@ class LetoStrategy(DDPStrategy):
                                "trainer.fit() on a Trainer with LetoStrategy")
         ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
         self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
+        self.rerunning_validation = ckpt["leto"]["validation_rerun"]
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
