@@ -101,6 +101,8 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
         assert float(row["leto/recovery/total_s"]) == pytest.approx(event["total_s"])
         assert float(row["leto/recovery/detect_s"]) == pytest.approx(event["breakdown"]["detect"])
         assert float(row["leto/recovery/resume_iteration"]) == event["resume_iteration"]
+        it = event["resume_iteration"]  # a restart from the newest file (every 7 steps) would redo these
+        assert float(row["leto/recovery/kept_iterations"]) == it - 7 * (it // 7)
         assert 0.0 < float(row["leto/ettr"]) < 1.0
     assert float(rows[-1]["leto/recovered_iterations"]) > 0
     assert "in-place recoveries: 5" in run.output and "HOFs: 5" in run.output
@@ -288,6 +290,15 @@ def test_16_mixed_with_hofs_equals_lightning_ddp(tmp_path) -> None:
     assert run.returncode == 0, run.output[-4000:]
     finished = [e for e in run.of("recovery_finished") if not e.get("interrupted")]
     assert [e["promoted"] for e in finished] == ["shadow", "shadow"], run.output[-4000:]
+    # kept_iterations: global steps since the newest checkpoint file (every 7 steps) -- global
+    # steps, not retained iterations: a step the scaler skipped commits nothing
+    rows = run.recovery_rows()
+    assert len(rows) == 2
+    for row in rows:
+        step = int(float(row["leto/recovery/resume_step"]))
+        assert step >= float(row["leto/recovery/resume_iteration"])
+        assert float(row["leto/recovery/kept_iterations"]) == step - 7 * (step // 7), row
+    assert any(float(r["leto/recovery/resume_step"]) > float(r["leto/recovery/resume_iteration"]) for r in rows)
     ddp = ddp_reference(tmp_path / "ddp", steps, "--precision", "16-mixed")
     assert ddp.returncode == 0, ddp.output[-4000:]
     for rank in range(2):

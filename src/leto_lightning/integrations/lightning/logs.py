@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime_link import RuntimeLink
 
 VERSION_KEY = "lightning/logger{index}/version"
+CKPT_STEP_KEY = "lightning/newest_checkpoint_step"
 WANDB_FLUSH_ENV = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"  # wandb's x_transaction_log_flush_interval
 WANDB_FLUSH_S = 1.0
 
@@ -71,6 +72,9 @@ class LogKeeper:
         self.reader: EventReader | None = None
         self.pending: dict | None = None  # step metrics of the resumed batch, still to be logged
         self.ckpt_step = 0  # global step of the newest checkpoint file when this process resumed
+        # at on_train_start: (retained iteration, global step, newest checkpoint's global step)
+        self.start: tuple[int | None, int, int] = (None, 0, 0)
+        self.link: "RuntimeLink | None" = None
         self.kept: set[int] = set()  # CSVLoggers whose file this process continues (not recreates)
         self.tensorboard: dict[int, TensorBoardContinuity] = {}  # TensorBoardLogger index -> its keeper
         self.tb_kept: set[int] = set()  # TensorBoardLoggers this process continues
@@ -81,6 +85,7 @@ class LogKeeper:
         """``link``: under ``leto launch``; without it, ``continues`` says whether this fit resumes
         (from retained memory or a checkpoint file)."""
         self.active = True
+        self.link = link
         resumes = link is not None and link.resumes
         if link is not None:  # the logs go on from a payload
             continues = resumes or os.environ.get("LETO_RESUME") == "checkpoint"
@@ -130,7 +135,7 @@ class LogKeeper:
             return None
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         return {"csv_rows": dict(self.rows), "recoveries": sorted(self.logged_recoveries),
-                "recovered": self.recovered_total,
+                "recovered": self.recovered_total, "ckpt_step": self._newest_checkpoint(trainer),
                 "tensorboard": {i: tb.state(step) for i, tb in self.tensorboard.items()},
                 "pending": pending_step_metrics(trainer) if kind in ("prepare", "batch_end") else None}
 
@@ -151,14 +156,16 @@ class LogKeeper:
         self.tb_kept.clear()
         self.logged_recoveries = set(logs.get("recoveries", []))
         self.recovered_total = int(logs.get("recovered", 0))
+        self.ckpt_step = int(logs.get("ckpt_step", 0))  # ModelCheckpoint does not restore its own
         self.pending = logs.get("pending")
 
-    def on_train_start(self, trainer: "pl.Trainer") -> None:
-        """Log the step metrics the predecessor never logged; note the newest checkpoint."""
+    def on_train_start(self, trainer: "pl.Trainer", iteration: int | None = None) -> None:
+        """Log the step metrics the predecessor never logged; note the newest checkpoint and
+        where this process starts (retained ``iteration``, Lightning's global step)."""
         if not self.active:
             return
-        steps = [getattr(cb, "_last_global_step_saved", 0) for cb in trainer.checkpoint_callbacks]
-        self.ckpt_step = max(steps, default=0)
+        self.ckpt_step = self._newest_checkpoint(trainer, ask_job=True)
+        self.start = (iteration, trainer.global_step, self.ckpt_step)  # the kept steps count from here
         pending, self.pending = self.pending, None
         if pending:
             trainer._logger_connector.log_metrics(dict(pending["metrics"], epoch=pending["epoch"]), step=pending["step"])
@@ -173,8 +180,9 @@ class LogKeeper:
         for event in finished_recoveries(self.reader.events):
             if event["generation"] in self.logged_recoveries:
                 continue
-            kept = max(0, int(event.get("resume_iteration", 0)) - self.ckpt_step)
+            kept = max(0, self._global_step_of(int(event.get("resume_iteration", 0))) - self.start[2])
             metrics = metrics_for(event, self.reader.events, kept, self.recovered_total)
+            metrics["leto/recovery/resume_step"] = float(self._global_step_of(int(event.get("resume_iteration", 0))))
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -183,6 +191,26 @@ class LogKeeper:
             self.recovered_total += kept
             logged += 1
         return logged
+
+    def checkpoint_saved(self, link: "RuntimeLink", step: int) -> None:
+        """A checkpoint file of ``step`` is on disk: tell the job (its store), so a trainer that
+        resumes from a payload older than the file still knows it (the recovery metrics)."""
+        link.set_value(CKPT_STEP_KEY, str(step))
+        self.ckpt_step = max(self.ckpt_step, step)
+
+    def _newest_checkpoint(self, trainer: "pl.Trainer", ask_job: bool = False) -> int:
+        """The global step of the newest checkpoint file: the callbacks' own, the payload's
+        (ModelCheckpoint does not restore it), and with ``ask_job`` the job's store (under
+        ``leto launch``: a file saved after the payload this process resumed from)."""
+        steps = [getattr(cb, "_last_global_step_saved", 0) for cb in trainer.checkpoint_callbacks]
+        published = self.link.get_value(CKPT_STEP_KEY) if ask_job and self.link is not None else None
+        return max([self.ckpt_step, *steps, int(published or 0)])
+
+    def _global_step_of(self, iteration: int) -> int:
+        """The agent counts retained iterations, checkpoints count global steps: they differ by
+        the steps 16-mixed's scaler skipped. Exact for the recovery this process resumed from."""
+        mine, step, _ = self.start
+        return step if iteration == mine else iteration
 
     def finish(self, trainer: "pl.Trainer", wait_s: float = 5.0) -> str | None:
         """End of ``fit()`` on global rank 0: log what is left and print the summary table."""

@@ -11,9 +11,11 @@ new events at the start of training batches and logs, per recovery, at the curre
 ``leto/recovery/first_iteration_s`` resumed -> first completed step
 ``leto/recovery/generation``        the generation the recovery opened
 ``leto/recovery/failed_iteration``  the step the failure interrupted (last heartbeat)
-``leto/recovery/resume_iteration``  the first step after the recovery
+``leto/recovery/resume_iteration``  the first retained iteration (optimizer update) after it
+``leto/recovery/resume_step``       the same point as Lightning's global step (more than the
+                                    iteration when 16-mixed's scaler skipped updates)
 ``leto/recovery/kept_iterations``   steps a restart from the newest checkpoint file would have
-                                    redone (resume_iteration - its global step; 0 if none)
+                                    redone (resume_step - that file's global step)
 ``leto/recoveries``                 recoveries finished so far
 ``leto/hof_count``                  failures classified as HOF so far
 ``leto/recovered_iterations``       sum of ``kept_iterations`` so far

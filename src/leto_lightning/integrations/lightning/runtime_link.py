@@ -166,6 +166,14 @@ class RuntimeLink:
         got = self.connect().store.compare_set(key, "", value)
         return got.decode() if isinstance(got, bytes) else str(got)
 
+    def set_value(self, key: str, value: str) -> None:
+        self.connect().store.set(key, value)
+
+    def get_value(self, key: str) -> str | None:
+        """The value under ``key``, None if nothing was set (no waiting)."""
+        store = self.connect().store
+        return store.get(key).decode() if store.check([key]) else None
+
     def wait_value(self, key: str, timeout_s: float = 600.0) -> str:
         from datetime import timedelta
 

@@ -326,7 +326,8 @@ class LetoStrategy(DDPStrategy):
         if self._pending_rng is not None:
             set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
             self._pending_rng = None
-        self.logs.on_train_start(trainer)  # before "start": a fresh run's payload counts no rows yet
+        # before "start": a fresh run's payload counts no rows yet
+        self.logs.on_train_start(trainer, self.retained.iteration if self.retained is not None else None)
         if self.retained is not None and self.retained.iteration == 0:
             self.record_payload(capture(trainer, "start"))
         if self.runtime is not None and self.runtime.resume_pending and self.retained is not None:
@@ -373,6 +374,8 @@ class LetoStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.runtime is not None and self.is_global_zero:
+            self.logs.checkpoint_saved(self.runtime, int(checkpoint.get("global_step", 0)))
         self.fault_point("lightning.after_checkpoint", "checkpoint")
 
     def process_dataloader(self, dataloader: object) -> object:
