@@ -204,6 +204,21 @@ class RetainedUpdate(Reference):
         self.ro.store.unlink()
 
 
+class RollbackUpdate(RetainedUpdate):
+    """``--rollback-window``: what manual optimization uses -- one whole-state transaction per
+    step (torch's own ``step()`` between a full undo copy and the parity deltas) and a seal."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig) -> None:
+        Reference.__init__(self, model, optimizer)
+        self.key, self.label = "rmu-manual", "RMU + RMP (manual optimization: rollback window)"
+        self.config = config
+        self.ro = RetainedOptimizer.create(optimizer, config, rollback_window=True)
+
+    def update(self) -> None:
+        self.ro.step()
+        self.ro.seal(None)
+
+
 # -- model and data -----------------------------------------------------------------------
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
@@ -418,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (weight decay 0.1)")
     m.add_argument("--seed", type=int, default=0, help="model init and data seed")
     t = p.add_argument_group("timing")
+    t.add_argument("--rollback-window", action="store_true",
+                   help="also time manual optimization's update (whole-state transaction + seal)")
     t.add_argument("--iterations", type=int, default=30, help="measured iterations per variant")
     t.add_argument("--warmup", type=int, default=3, help="uncounted iterations per variant first")
     t.add_argument("--round-iters", type=int, default=2, help="iterations of one variant per rotation turn")
@@ -484,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         for kib, rcfg in zip(args.page_kib, rcfgs):
             tag = (f"{kib // 1024} MiB" if kib % 1024 == 0 else f"{kib} KiB") if tagged else ""
             variants.append(RetainedUpdate(*new_pair(), rcfg, tag=tag))
+        if args.rollback_window:
+            variants.append(RollbackUpdate(*new_pair(), rcfgs[0]))
         rmus = [v for v in variants if isinstance(v, RetainedUpdate)]
         for v in rmus:
             c = v.config

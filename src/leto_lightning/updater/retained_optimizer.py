@@ -117,7 +117,8 @@ class RetainedOptimizer:
                **kwargs) -> "RetainedOptimizer":
         """Allocate a store for ``optimizer`` (in this process: tests, single-process use)."""
         config = config or RetainedConfig()
-        spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout_for(optimizer, config), config)
+        layout = layout_for(optimizer, config, whole_state=bool(kwargs.get("rollback_window")))
+        spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout, config)
         store = RetainedStore.create(spec)
         try:
             ro = cls(optimizer, store, **kwargs)
