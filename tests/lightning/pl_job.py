@@ -99,6 +99,7 @@ class RunConfig:
     loss_file: str | None = None
     ckpt_path: str | None = None
     trainer_kwargs: dict = field(default_factory=dict)
+    module: Any = None  # a TinyModule subclass (default TinyModule)
 
 
 def trainer_for(cfg: RunConfig) -> pl.Trainer:
@@ -114,7 +115,7 @@ def fit(cfg: RunConfig) -> dict:
     """Run one fit (in the calling process); returns copies of what the tests compare."""
     torch.set_num_threads(1)
     os.environ.pop("PL_GLOBAL_SEED", None)
-    model = TinyModule(cfg.optimizer, cfg.scheduler, cfg.seed, cfg.loss_file)
+    model = (cfg.module or TinyModule)(cfg.optimizer, cfg.scheduler, cfg.seed, cfg.loss_file)
     trainer = trainer_for(cfg)
     train, val = dataloaders(own_sampler=cfg.devices == 1)
     torch.manual_seed(99)  # the RNG the run starts from (dropout draws from it)

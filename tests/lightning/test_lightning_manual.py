@@ -11,6 +11,7 @@ Two ranks: one SIGKILLed after its commit, the peer's update rolled back too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -22,9 +23,7 @@ from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.updater.recovery import recover_node
 
-import os
-
-from pl_job import RunConfig, TinyModule, dataloaders, differences, read_losses, run_ranks, snapshot, trainer_for
+from pl_job import RunConfig, TinyModule, dataloaders, differences, fit, read_losses, run_ranks, trainer_for
 
 ACCUMULATE = 2  # the module steps every 2nd batch: 5 steps per epoch, 15 in all
 
@@ -57,14 +56,7 @@ class ManualModule(TinyModule):
 
 
 def fit_manual(cfg: RunConfig) -> dict:
-    torch.set_num_threads(1)
-    os.environ.pop("PL_GLOBAL_SEED", None)
-    model = ManualModule(cfg.optimizer, True, cfg.seed, cfg.loss_file)
-    trainer = trainer_for(cfg)
-    train, val = dataloaders(own_sampler=cfg.devices == 1)
-    torch.manual_seed(99)
-    trainer.fit(model, train, val, ckpt_path=cfg.ckpt_path)
-    return snapshot(trainer, model)
+    return fit(dataclasses.replace(cfg, module=ManualModule))
 
 
 def _cfg(strategy: Any, **kw: Any) -> RunConfig:

@@ -112,13 +112,6 @@ class _LBFGS(TinyModule):
         return torch.optim.LBFGS(self.parameters())
 
 
-class _Plateau(TinyModule):
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
-                                                   "monitor": "val_loss"}}
-
-
 class _Fused(TinyModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, capturable=True)
@@ -126,14 +119,13 @@ class _Fused(TinyModule):
 
 @pytest.mark.parametrize("case, message", [
     ("lbfgs", "LBFGS"),
-    ("plateau", "ReduceLROnPlateau"),
     ("fused", "capturable"),
     ("bf16-true", "precision 'bf16-true'"),
     ("devices", "does not start ranks"),
 ])
 def test_rejected_at_setup_with_advice(case: str, message: str, job: str) -> None:
     def child() -> None:
-        models = {"lbfgs": _LBFGS, "plateau": _Plateau, "fused": _Fused}
+        models = {"lbfgs": _LBFGS, "fused": _Fused}
         model = models.get(case, TinyModule)()
         kwargs = dict(accelerator="cpu", devices=2 if case == "devices" else 1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
+from . import plateau
 from .resume import capture, capturing, settle_rerun_validation
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,6 +95,7 @@ class LetoLoopStateCallback(Callback):
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._strategy is not None:
+            plateau.allow_epoch_steps(trainer)  # a resumed fit steps epoch plateau schedulers too
             self._strategy.fault_point("lightning.epoch_end", "epoch_end")
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -74,8 +74,4 @@ def the_optimizer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> torch.opti
         raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
                          "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
     optimizer_family(optimizer)  # raises for fused / capturable / differentiable
-    for config in trainer.lr_scheduler_configs:
-        if config.reduce_on_plateau:
-            raise ValueError("ReduceLROnPlateau is not supported by LetoStrategy yet: the metric it monitors is not "
-                             "part of the resume record, so a resumed run could step it differently")
     return optimizer

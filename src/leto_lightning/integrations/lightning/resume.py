@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 
 from ...updater.retained_optimizer import hyperparameters
+from . import plateau
 
 PAYLOAD_VERSION = 1
 KINDS = ("start", "prepare", "batch_end", "validation_end")
@@ -107,6 +108,8 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
         "loops": None if kind == "start" else {"fit_loop": trainer.fit_loop.state_dict()},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
         "validation_due": kind in ("prepare", "batch_end") and validation_due(trainer),
+        "monitored": plateau.monitored(trainer),
+        "plateau_due": plateau.plateau_due(trainer) if kind in ("prepare", "batch_end") else [],
     }
     keeper = getattr(trainer.strategy, "logs", None)  # loggers across processes (logs.py), under leto launch
     payload["logs"] = keeper.state(trainer, kind) if keeper is not None else None
@@ -119,7 +122,7 @@ def schedulers_due(trainer: "pl.Trainer") -> list[int]:
     Mirrors ``_TrainingEpochLoop.update_lr_schedulers`` as called from ``advance``: step-interval
     schedulers whose frequency divides the batch count, then -- at the epoch's last batch --
     epoch-interval ones whose frequency divides the epoch count. Plateau schedulers are not
-    stepped there (and LetoStrategy rejects them).
+    stepped there (``plateau.py``).
     """
     loop = trainer.fit_loop.epoch_loop
     configs = trainer.lr_scheduler_configs
@@ -192,19 +195,28 @@ def finish_batch(trainer: "pl.Trainer", payload: dict[str, Any]) -> dict[str, An
     _bump(fit[_STEP_PROGRESS]["optimizer"]["step"], "completed")
     _bump(fit["epoch_loop.batch_progress"], "processed")
     if out["due_schedulers"]:
-        optimizer = trainer.optimizers[0]
-        apply_param_groups(optimizer, out["param_groups"][0])
-        configs = trainer.lr_scheduler_configs
-        for config, state in zip(configs, out["lr_schedulers"]):
-            config.scheduler.load_state_dict(state)
-        optimizer._opt_called = True  # the step did happen (torch warns otherwise)
-        for i in out["due_schedulers"]:
-            trainer.lightning_module.lr_scheduler_step(configs[i].scheduler, None)
-            _bump(fit["epoch_loop.scheduler_progress"], "ready", "completed")
-        out["lr_schedulers"] = [c.scheduler.state_dict() for c in configs]
-        out["param_groups"] = [hyperparameters(optimizer)]
+        out = step_schedulers(trainer, out, [(i, None) for i in out["due_schedulers"]])
     out["precision"] = scaler_after_step(out["precision"])
     out["kind"], out["due_schedulers"], out["global_step"] = "batch_end", [], payload["global_step"] + 1
+    return out
+
+
+def step_schedulers(trainer: "pl.Trainer", out: dict[str, Any], steps: list[tuple[int, Any]]) -> dict[str, Any]:
+    """Step the real schedulers ``[(index, metric)]`` from the payload's state, through the
+    module's own ``lr_scheduler_step`` (a user override is honoured), and record the result and
+    Lightning's scheduler counters in ``out`` (modified)."""
+    optimizer = trainer.optimizers[0]
+    apply_param_groups(optimizer, out["param_groups"][0])
+    configs = trainer.lr_scheduler_configs
+    for config, state in zip(configs, out["lr_schedulers"]):
+        config.scheduler.load_state_dict(state)
+    optimizer._opt_called = True  # the step did happen (torch warns otherwise)
+    out["loops"] = copy.deepcopy(out["loops"])
+    for i, metric in steps:
+        trainer.lightning_module.lr_scheduler_step(configs[i].scheduler, metric)
+        _bump(out["loops"]["fit_loop"]["epoch_loop.scheduler_progress"], "ready", "completed")
+    out["lr_schedulers"] = [c.scheduler.state_dict() for c in configs]
+    out["param_groups"] = [hyperparameters(optimizer)]
     return out
 
 
@@ -256,6 +268,8 @@ def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> d
         payload = finish_batch(trainer, payload)
     if payload is not None and payload.get("validation_due"):
         payload = dict(payload, loops=resume_into_validation(payload["loops"]))
+    elif payload is not None and payload.get("plateau_due"):
+        payload = plateau.apply_due(trainer, payload, step_schedulers)
     module = trainer.lightning_module
     state_dict = module.state_dict()
     optimizer = trainer.optimizers[0]
@@ -268,6 +282,7 @@ def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> d
         "optimizer_states": [opt_state],
         "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         "leto": {"kind": None if payload is None else payload["kind"],
+                 "monitored": (payload or {}).get("monitored") or {},
                  "validation_rerun": bool(payload and payload.get("validation_due"))},
     }
     if payload is None:

@@ -48,6 +48,7 @@ from .environment import LetoEnvironment, under_leto_launch
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
+from . import plateau
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
 from .runtime_link import RuntimeLink
@@ -100,6 +101,7 @@ class LetoStrategy(DDPStrategy):
         self._pending_rng: dict | None = None
         self._resumed_kind: str | None = None  # the payload kind the last fit resumed from
         self.rerunning_validation = False  # resumed into a validation the crash interrupted (resume.py)
+        self._monitored: dict = {}  # the resume payload's plateau metrics, back in callback_metrics at train start
         self._optimizers_ready = False
         self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
 
@@ -323,6 +325,8 @@ class LetoStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         self._continue_buffer_sync()
+        plateau.restore_monitored(trainer, self._monitored)
+        self._monitored = {}
         if self._pending_rng is not None:
             set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
             self._pending_rng = None
@@ -402,6 +406,7 @@ class LetoStrategy(DDPStrategy):
             ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
             self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
             self.rerunning_validation = ckpt["leto"]["validation_rerun"]
+            self._monitored = ckpt["leto"]["monitored"]
             return ckpt
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
@@ -411,6 +416,7 @@ class LetoStrategy(DDPStrategy):
         ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
         self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
         self.rerunning_validation = ckpt["leto"]["validation_rerun"]
+        self._monitored = ckpt["leto"]["monitored"]
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
