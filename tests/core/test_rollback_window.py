@@ -11,7 +11,8 @@ import torch
 
 from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.faults.scenario import CoreScenario, differences, run_step
-from leto_lightning.retained.store import RetainedStore
+from leto_lightning.retained.shm import new_job_id
+from leto_lightning.retained.store import RetainedStore, StoreSpec
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, layout_for
 
@@ -122,10 +123,20 @@ def test_two_steps_without_a_seal_are_refused() -> None:
 
 def test_rollback_window_needs_a_whole_state_layout() -> None:
     sc = CoreScenario(n_ranks=1)
-    model, opt = sc.build(0)
-    with pytest.raises(ValueError, match="whole_state=True"):
-        RetainedOptimizer.create(opt, sc.config, rollback_window=True)
-    assert layout_for(opt, sc.config, whole_state=True).family == "generic"
+    _, opt = sc.build(0)
+    store = RetainedStore.create(StoreSpec(new_job_id(), 0, 0, 0, 1, layout_for(opt, sc.config), sc.config))
+    try:
+        with pytest.raises(ValueError, match="whole_state=True"):
+            RetainedOptimizer(opt, store, rollback_window=True)  # a chunked layout
+    finally:
+        store.unlink()
+        store.close()
+    ro = RetainedOptimizer.create(sc.build(0)[1], sc.config, rollback_window=True)  # picks the whole-state layout
+    try:
+        assert ro.layout.family == "generic" == layout_for(opt, sc.config, whole_state=True).family
+    finally:
+        ro.store.unlink()
+        ro.store.close()
 
 
 def _one(job, rank: int, t: int) -> None:
