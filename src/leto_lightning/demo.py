@@ -48,94 +48,125 @@ def run(args: argparse.Namespace) -> int:
 
 def run_core(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from .faults.crash import KillPoint, run_in_child
-    from .faults.scenario import CoreScenario, differences, run_step, snapshot
-    from .protection.repair import UnrecoverableDamageError
-    from .retained.store import RetainedStore
-    from .updater.recovery import recover_node
 
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     console = Console()
-    sc = CoreScenario(optimizer=args.optimizer, seed=args.seed)
-    rng = random.Random(args.seed)
-    steps = 6
-    ref = sc.reference(steps)
-    job = sc.create_job()
-    table = Table(title="leto demo: failures and recoveries")
-    for col in ("iteration", "failure", "recovery", "time", "bit-identical"):
-        table.add_column(col)
+    demo = CoreDemo(args.optimizer, args.seed)
     try:
-        lay = job.stores[0].layout
+        lay, cfg = demo.layout, demo.sc.config
         console.print(f"[bold]model[/]: {sum(p.numel for p in lay.params):,} params, optimizer {args.optimizer}, "
-                      f"2 devices; retained: {lay.describe()}; parity D={sc.config.data_pages} "
-                      f"H1={sc.config.tier1_parity} H2={sc.config.tier2_parity}")
-
-        def stores():
-            return {r: RetainedStore.attach(job.job_id, r) for r in range(sc.n_ranks)}
-
-        def recover_and_check(until: int):
-            t0 = time.perf_counter()
-            reports = recover_node(stores())
-            seconds = time.perf_counter() - t0
-            same = []
-            for r in range(sc.n_ranks):
-                model, ro = job.attach_trainer(r)
-                for it in range(ro.iteration, until + 1):
-                    run_step(sc, model, ro, r, it)
-                same.append(not differences(snapshot(model, ro.optimizer), ref[r][until + 1]))
-            return _describe(reports), seconds, all(same)
-
-        def shadow_step(rank: int, it: int):
-            model, ro = job.attach_trainer(rank)
-            run_step(sc, model, ro, rank, it)
-
-        for it in range(2):
-            for r in range(sc.n_ranks):
-                job.step(r, it)
-        # 1. SIGKILL half-way through the update of iteration 2 on device 0.
-        chunk = rng.randrange(1, lay.n_chunks)
-        kill = KillPoint("chunk.tier1_partial", chunk)
-        assert run_in_child(lambda: shadow_step(0, 2), kill_at=kill).killed
-        run_in_child(lambda: shadow_step(1, 2))
-        summaries, seconds, same = run_in_child(lambda: recover_and_check(2)).value
-        table.add_row("2", f"SIGKILL device 0 mid-update (chunk {chunk}, parity half-updated)",
-                      summaries, f"{seconds * 1e3:.1f} ms", _yes(same))
-        # 2. Poison H1 pages in a tier-1 group on each device.
-        poisoned = []
-        for r, store in enumerate(job.stores):
-            group = rng.choice([g for g, pages in enumerate(store.spec.tier1.groups)
-                                if lay.page_kind[pages[0]] != "grad" and len(pages) > 1])
-            for p in rng.sample(store.spec.tier1.groups[group], sc.config.tier1_parity):
-                store.pages[p].view(torch.int64)[rng.randrange(lay.page_bytes // 8)] ^= 0x5A5A
-                poisoned.append((r, p))
-        summaries, seconds, same = run_in_child(lambda: recover_and_check(3)).value
-        table.add_row("3", f"{len(poisoned)} pages poisoned (ECC-style) on 2 devices", summaries,
-                      f"{seconds * 1e3:.1f} ms", _yes(same))
-        # 3. A whole device's retained state lost: tier 2 rebuilds it from the other device.
-        job.stores[1].pages.fill_(0)
-        summaries, seconds, same = run_in_child(lambda: recover_and_check(4)).value
-        table.add_row("4", "device 1 lost all its retained pages", summaries,
-                      f"{seconds * 1e3:.1f} ms", _yes(same))
-        # 4. More damage than parity covers: detected and reported, never used.
-        group = job.stores[0].spec.tier1.groups[0]
-        for p in group[: sc.config.tier1_parity + 1]:
-            for store in job.stores:
-                store.pages[p].fill_(0xFF)
-        try:
-            recover_node(stores())
-            outcome, ok = "NOT DETECTED", False
-        except UnrecoverableDamageError as exc:
-            outcome, ok = f"refused: {str(exc)[:160]}...", True
-        table.add_row("5", f"{sc.config.tier1_parity + 1} pages of one group lost on both devices",
-                      outcome, "-", "n/a (falls back to checkpoint)" if ok else "[red]FAILED[/]")
-        console.print(table)
+                      f"2 devices; retained: {lay.describe()}; parity D={cfg.data_pages} "
+                      f"H1={cfg.tier1_parity} H2={cfg.tier2_parity}")
+        demo.train(2)
+        demo.kill_mid_update(2)
+        demo.poison_pages(3)
+        demo.lose_device(4)
+        ok = demo.beyond_parity()
+        console.print(demo.table)
         console.print("Every recovery ran in a fresh process; 'bit-identical' compares weights and optimizer "
                       "state with a fault-free torch.optim run using torch.equal.")
         return 0 if ok else 1
     finally:
-        job.close()
+        demo.job.close()
+
+
+class CoreDemo:
+    """The failures of ``leto demo --core``, one method each, each recovered in a fresh process
+    and compared with the fault-free ``torch.optim`` run; one table row per failure."""
+
+    def __init__(self, optimizer: str, seed: int) -> None:
+        from rich.table import Table
+
+        from .faults.scenario import CoreScenario
+
+        self.sc = CoreScenario(optimizer=optimizer, seed=seed)
+        self.rng = random.Random(seed)
+        self.ref = self.sc.reference(6)
+        self.job = self.sc.create_job()
+        self.layout = self.job.stores[0].layout
+        self.table = Table(title="leto demo: failures and recoveries")
+        for col in ("iteration", "failure", "recovery", "time", "bit-identical"):
+            self.table.add_column(col)
+
+    def stores(self) -> dict:
+        from .retained.store import RetainedStore
+
+        return {r: RetainedStore.attach(self.job.job_id, r) for r in range(self.sc.n_ranks)}
+
+    def train(self, iterations: int) -> None:
+        for it in range(iterations):
+            for r in range(self.sc.n_ranks):
+                self.job.step(r, it)
+
+    def _recover_and_check(self, until: int) -> tuple[str, float, bool]:
+        from .faults.scenario import differences, run_step, snapshot
+        from .updater.recovery import recover_node
+
+        t0 = time.perf_counter()
+        reports = recover_node(self.stores())
+        seconds = time.perf_counter() - t0
+        same = []
+        for r in range(self.sc.n_ranks):
+            model, ro = self.job.attach_trainer(r)
+            for it in range(ro.iteration, until + 1):
+                run_step(self.sc, model, ro, r, it)
+            same.append(not differences(snapshot(model, ro.optimizer), self.ref[r][until + 1]))
+        return _describe(reports), seconds, all(same)
+
+    def _row(self, iteration: int, failure: str) -> None:
+        from .faults.crash import run_in_child
+
+        summaries, seconds, same = run_in_child(lambda: self._recover_and_check(iteration)).value
+        self.table.add_row(str(iteration), failure, summaries, f"{seconds * 1e3:.1f} ms", _yes(same))
+
+    def _shadow_step(self, rank: int, it: int) -> None:
+        from .faults.scenario import run_step
+
+        model, ro = self.job.attach_trainer(rank)
+        run_step(self.sc, model, ro, rank, it)
+
+    def kill_mid_update(self, it: int) -> None:
+        """SIGKILL half-way through the update of ``it`` on device 0 (parity half-updated)."""
+        from .faults.crash import KillPoint, run_in_child
+
+        chunk = self.rng.randrange(1, self.layout.n_chunks)
+        assert run_in_child(lambda: self._shadow_step(0, it), kill_at=KillPoint("chunk.tier1_partial", chunk)).killed
+        run_in_child(lambda: self._shadow_step(1, it))
+        self._row(it, f"SIGKILL device 0 mid-update (chunk {chunk}, parity half-updated)")
+
+    def poison_pages(self, it: int) -> None:
+        """Overwrite H1 pages of one tier-1 group on each device (ECC-style corruption)."""
+        lay, poisoned = self.layout, []
+        for r, store in enumerate(self.job.stores):
+            group = self.rng.choice([g for g, pages in enumerate(store.spec.tier1.groups)
+                                     if lay.page_kind[pages[0]] != "grad" and len(pages) > 1])
+            for p in self.rng.sample(store.spec.tier1.groups[group], self.sc.config.tier1_parity):
+                store.pages[p].view(torch.int64)[self.rng.randrange(lay.page_bytes // 8)] ^= 0x5A5A
+                poisoned.append((r, p))
+        self._row(it, f"{len(poisoned)} pages poisoned (ECC-style) on 2 devices")
+
+    def lose_device(self, it: int) -> None:
+        """A whole device's retained state lost: tier 2 rebuilds it from the other device."""
+        self.job.stores[1].pages.fill_(0)
+        self._row(it, "device 1 lost all its retained pages")
+
+    def beyond_parity(self) -> bool:
+        """More damage than parity covers: detected and reported, never used."""
+        from .protection.repair import UnrecoverableDamageError
+        from .updater.recovery import recover_node
+
+        n = self.sc.config.tier1_parity + 1
+        for p in self.job.stores[0].spec.tier1.groups[0][:n]:
+            for store in self.job.stores:
+                store.pages[p].fill_(0xFF)
+        try:
+            recover_node(self.stores())
+            outcome, ok = "NOT DETECTED", False
+        except UnrecoverableDamageError as exc:
+            outcome, ok = f"refused: {str(exc)[:160]}...", True
+        self.table.add_row("5", f"{n} pages of one group lost on both devices", outcome, "-",
+                           "n/a (falls back to checkpoint)" if ok else "[red]FAILED[/]")
+        return ok
 
 
 def _describe(reports) -> str:

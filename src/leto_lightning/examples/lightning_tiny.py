@@ -134,7 +134,7 @@ class SlowDown(pl.Callback):
         time.sleep(self.seconds)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--devices", type=int, default=2, help="ranks per node")
@@ -153,16 +153,10 @@ def main() -> None:
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "16-mixed"),
                    help="16-mixed: fp16 autocast with a GradScaler (on CPU through the MixedPrecision plugin)")
     p.add_argument("--out", default="lightning_tiny_out", help="output directory without leto launch")
-    args = p.parse_args()
+    return p.parse_args()
 
-    torch.set_num_threads(1)  # bit-identical across processes needs one thread count
-    run_dir = os.environ.get("LETO_RUN_DIR", args.out)
-    pl.seed_everything(0, workers=True, verbose=False)
-    world = args.devices * args.num_nodes
-    train = markov_data(args.batch_size * args.batches_per_epoch * world, 32, 32, seed=1)
-    val = markov_data(32, 32, 32, seed=2)
-    model = (ManualTinyTransformerLM if args.manual else TinyTransformerLM)(total_steps=args.max_steps)
 
+def loggers_and_callbacks(args: argparse.Namespace, run_dir: str) -> tuple[list, list]:
     loggers: list = [CSVLogger(run_dir, name="csv")]
     if args.wandb:
         from lightning.pytorch.loggers import WandbLogger
@@ -178,6 +172,10 @@ def main() -> None:
                                          every_n_train_steps=args.checkpoint_every, save_last=True))
     if args.sleep:
         callbacks.append(SlowDown(args.sleep))
+    return loggers, callbacks
+
+
+def trainer_for(args: argparse.Namespace, run_dir: str) -> pl.Trainer:
     strategy = args.strategy
     if strategy == "leto" and args.page_bytes:  # the same strategy, one option changed
         from leto_lightning.integrations.lightning import LetoStrategy
@@ -190,11 +188,25 @@ def main() -> None:
         # a high initial scale and a short growth interval: steps overflow, the scale backs off and grows
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
-    trainer = pl.Trainer(
-        **precision, strategy=strategy, devices=args.devices, num_nodes=args.num_nodes, accelerator="cpu", max_steps=args.max_steps,
-        logger=loggers, callbacks=callbacks, log_every_n_steps=1, val_check_interval=args.val_every,
-        limit_val_batches=2, num_sanity_val_steps=1, gradient_clip_val=None if args.manual else 1.0, deterministic=True,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))
+    loggers, callbacks = loggers_and_callbacks(args, run_dir)
+    return pl.Trainer(
+        **precision, strategy=strategy, devices=args.devices, num_nodes=args.num_nodes, accelerator="cpu",
+        max_steps=args.max_steps, logger=loggers, callbacks=callbacks, log_every_n_steps=1,
+        val_check_interval=args.val_every, limit_val_batches=2, num_sanity_val_steps=1,
+        gradient_clip_val=None if args.manual else 1.0, deterministic=True, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=bool(args.checkpoint_every))
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # bit-identical across processes needs one thread count
+    run_dir = os.environ.get("LETO_RUN_DIR", args.out)
+    pl.seed_everything(0, workers=True, verbose=False)
+    world = args.devices * args.num_nodes
+    train = markov_data(args.batch_size * args.batches_per_epoch * world, 32, 32, seed=1)
+    val = markov_data(32, 32, 32, seed=2)
+    model = (ManualTinyTransformerLM if args.manual else TinyTransformerLM)(total_steps=args.max_steps)
+    trainer = trainer_for(args, run_dir)
     # leto launch's slow path (a failure that is not a HOF): restart from the last checkpoint file.
     # (A promoted shadow ignores ckpt_path: it continues from retained memory.)
     ckpt_path = "last" if os.environ.get("LETO_RESUME") == "checkpoint" and args.checkpoint_every else None
