@@ -11,19 +11,15 @@ so one step missed or taken twice changes the LR, and with it the weights.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
 import torch
 
 from leto_lightning.faults.crash import KillPoint, run_in_child
-from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
-from leto_lightning.retained.store import RetainedStore
-from leto_lightning.updater.recovery import recover_node
 
 from pl_job import RunConfig, TinyModule, differences, fit
-from test_lightning_resume import _val_rows, _validating
+from test_lightning_resume import _leto, _val_rows, _validating, crash_then_resume
 
 CHUNKS = 7  # chunk transactions per step at page_bytes=512
 
@@ -52,10 +48,6 @@ class StepPlateaus(TinyModule):
 
 
 MODULES = {"epoch": EpochPlateau, "step": StepPlateaus}
-
-
-def _leto(job: str) -> LetoStrategy:
-    return LetoStrategy(job_id=job, page_bytes=512, chunk_pages=1, data_pages=4, tier1_parity=1)
 
 
 def _cfg(kind: str, directory: str, strategy: Any, **kw: Any) -> RunConfig:
@@ -88,13 +80,7 @@ def reference(tmp_path_factory):
 def test_plateau_steps_survive_a_crash(kind: str, kill_at: KillPoint, reference, job: str, tmp_path) -> None:
     ref, ref_dir = reference(kind)
     run_dir = str(tmp_path / "run")
-    assert run_in_child(lambda: fit(_cfg(kind, run_dir, _leto(job))), kill_at=kill_at).killed
-
-    def resume() -> dict:
-        recover_node({0: RetainedStore.attach(job, 0)})
-        return fit(_cfg(kind, run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
-
-    got = run_in_child(resume).value
+    got = crash_then_resume(lambda *a, **kw: _cfg(kind, *a, **kw), job, run_dir, kill_at)
     assert differences(got, ref) == []
     assert ref["lr"][0] <= 3e-2 * 0.8 ** 2  # the plateau schedulers did reduce, more than once
     assert _val_rows(run_dir) == _val_rows(ref_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+from typing import Callable
 
 import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -71,6 +72,18 @@ def crash_and_resume(job: str, tmp_path, optimizer: str, kill_at: KillPoint, via
     return out
 
 
+def crash_then_resume(config: Callable[..., RunConfig], job: str, run_dir: str, kill_at: KillPoint) -> dict:
+    """``fit(config(run_dir, strategy))`` SIGKILLed at ``kill_at``; recovery; the same fit resumed
+    from retained memory in a new process, with a differently initialised model. Its snapshot."""
+    assert run_in_child(lambda: fit(config(run_dir, _leto(job))), kill_at=kill_at).killed, f"never reached {kill_at}"
+
+    def resume() -> dict:
+        recover_node({0: RetainedStore.attach(job, 0)})
+        return fit(config(run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
+
+    return run_in_child(resume).value
+
+
 def check(out: dict, ref: tuple[dict, dict]) -> None:
     snap, ref_losses = ref
     diffs = differences(out["snap"], snap)
@@ -126,15 +139,7 @@ def test_checkpoint_and_early_stopping_state_survive(job: str, jobs, tmp_path) -
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     ref_job = jobs()  # made here: a job id made inside the child would escape the cleanup
     ref = run_in_child(lambda: fit(config(ref_dir, _leto(ref_job)))).value
-    kill_at = KillPoint("chunk.math_done", 13 * CHUNKS + 3)
-    crashed = run_in_child(lambda: fit(config(run_dir, _leto(job))), kill_at=kill_at)
-    assert crashed.killed
-
-    def resume() -> dict:
-        recover_node({0: RetainedStore.attach(job, 0)})
-        return fit(config(run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
-
-    got = run_in_child(resume).value
+    got = crash_then_resume(config, job, run_dir, KillPoint("chunk.math_done", 13 * CHUNKS + 3))
     assert differences(got, ref) == []
     assert got["callbacks"] == ref["callbacks"]
     assert "last.ckpt" in got["callbacks"]["ModelCheckpoint"]["files"]
@@ -185,15 +190,7 @@ def test_crash_during_validation_runs_it_again(occurrence: int, job: str, jobs, 
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     ref_job = jobs()
     ref = run_in_child(lambda: fit(_validating(ref_dir, _leto(ref_job)))).value
-    crashed = run_in_child(lambda: fit(_validating(run_dir, _leto(job))),
-                           kill_at=KillPoint("lightning.validation", occurrence))
-    assert crashed.killed
-
-    def resume() -> dict:
-        recover_node({0: RetainedStore.attach(job, 0)})
-        return fit(_validating(run_dir, _leto(job), seed=5, ckpt_path=RETAINED_CKPT))
-
-    got = run_in_child(resume).value
+    got = crash_then_resume(_validating, job, run_dir, KillPoint("lightning.validation", occurrence))
     assert differences(got, ref) == []
     assert got["callbacks"] == ref["callbacks"]
     assert _val_rows(run_dir) == _val_rows(ref_dir) and len(_val_rows(ref_dir)) == 6
