@@ -102,6 +102,7 @@ class RetainedOptimizer:
         else:
             self.txn = ChunkTransactions(store, ParityCodes(store))
         self._received: set[int] = set()
+        self._grad_views = [store.param_view(slot, GRAD) for slot in self.layout.params]  # made once: per step
         self.iteration = 0
         if rollback_window and self.layout.family != "generic":
             raise ValueError("rollback_window needs a whole-state layout: layout_for(..., whole_state=True)")
@@ -149,7 +150,7 @@ class RetainedOptimizer:
             if not adopt:
                 view.copy_(p.detach())
             p.data = view
-            p.grad = store.param_view(slot, GRAD)
+            p.grad = self._grad_views[slot.index]
             p.register_post_accumulate_grad_hook(self._mark_received(slot.index))
             if lay.family != "generic":
                 state = {k: store.param_view(slot, k) for k in lay.segments[slot.segment].kinds if k not in (PARAM, GRAD)}
@@ -237,8 +238,7 @@ class RetainedOptimizer:
         zeroed view again, so nothing stale accumulates into the next step."""
         for seg in self.layout.segments:
             self.store.region_view(seg.index, GRAD).zero_()
-        for slot, p in zip(self.layout.params, self.params):
-            view = self.store.param_view(slot, GRAD)
+        for p, view in zip(self.params, self._grad_views):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
         self._received.clear()
@@ -279,8 +279,7 @@ class RetainedOptimizer:
     def _adopt_foreign_grads(self) -> None:
         """If something replaced ``p.grad`` (e.g. ``optimizer.zero_grad()`` set it to None and
         autograd made a new tensor), copy it into retained memory and rebind."""
-        for slot, p in zip(self.layout.params, self.params):
-            view = self.store.param_view(slot, GRAD)
+        for slot, p, view in zip(self.layout.params, self.params, self._grad_views):
             if p.grad is None:
                 self._received.discard(slot.index)
                 p.grad = view
