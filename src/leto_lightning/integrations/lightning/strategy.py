@@ -98,10 +98,8 @@ class LetoStrategy(DDPStrategy):
         self._env_resume_used = False
         self._resume_payload: Any = None
         self._resumed = False
-        self._pending_rng: dict | None = None
-        self._resumed_kind: str | None = None  # the payload kind the last fit resumed from
+        self._resumed_from: dict | None = None  # build_checkpoint's "leto" entry: what on_train_start restores
         self.rerunning_validation = False  # resumed into a validation the crash interrupted (resume.py)
-        self._monitored: dict = {}  # the resume payload's plateau metrics, back in callback_metrics at train start
         self._optimizers_ready = False
         self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
 
@@ -324,12 +322,11 @@ class LetoStrategy(DDPStrategy):
     # -- hooks ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
-        self._continue_buffer_sync()
-        plateau.restore_monitored(trainer, self._monitored)
-        self._monitored = {}
-        if self._pending_rng is not None:
-            set_rng_states(self._pending_rng)  # last thing before the first batch: as the crashed run
-            self._pending_rng = None
+        resumed, self._resumed_from = self._resumed_from or {}, None
+        self._continue_buffer_sync(resumed.get("kind"))
+        plateau.restore_monitored(trainer, resumed.get("monitored") or {})
+        if resumed.get("rng") is not None:
+            set_rng_states(resumed["rng"])  # last thing before the first batch: as the crashed run
         # before "start": a fresh run's payload counts no rows yet
         self.logs.on_train_start(trainer, self.retained.iteration if self.retained is not None else None)
         if self.retained is not None and self.retained.iteration == 0:
@@ -337,12 +334,11 @@ class LetoStrategy(DDPStrategy):
         if self.runtime is not None and self.runtime.resume_pending and self.retained is not None:
             self.runtime.resumed(self.retained.iteration)  # loop, RNG and data position are restored
 
-    def _continue_buffer_sync(self) -> None:
+    def _continue_buffer_sync(self, kind: str | None) -> None:
         """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the first forward of a new
         wrapper, later only after forwards that synchronised gradients -- never in manual
         optimization, where Lightning turns the reducer off during forward. A resumed manual run
         must not broadcast either, or every other rank's statistics become rank 0's."""
-        kind, self._resumed_kind = self._resumed_kind, None
         if kind not in (None, "start") and not self.lightning_module.automatic_optimization and isinstance(
                 self.model, torch.nn.parallel.DistributedDataParallel):
             self.model.require_forward_param_sync = False
@@ -403,20 +399,20 @@ class LetoStrategy(DDPStrategy):
             self._file_checkpoint = None  # weights and optimizer state are in retained memory already
             if self._resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
                 return ckpt_file
-            ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
-            self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
-            self.rerunning_validation = ckpt["leto"]["validation_rerun"]
-            self._monitored = ckpt["leto"]["monitored"]
-            return ckpt
+            return self._payload_checkpoint()
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if not self._resumed or self.retained is None:
             raise RuntimeError(f"ckpt_path={RETAINED_CKPT!r} resumes training from retained memory: use it with "
                                "trainer.fit() on a Trainer with LetoStrategy")
+        return self._payload_checkpoint()
+
+    def _payload_checkpoint(self) -> dict[str, Any]:
+        """The in-memory checkpoint of the resume payload (from retained memory or a checkpoint
+        file); what Lightning's restore does not cover is kept for ``on_train_start``."""
         ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
-        self._pending_rng, self._resumed_kind = ckpt["leto"].get("rng"), ckpt["leto"]["kind"]
+        self._resumed_from = ckpt["leto"]
         self.rerunning_validation = ckpt["leto"]["validation_rerun"]
-        self._monitored = ckpt["leto"]["monitored"]
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
