@@ -180,9 +180,10 @@ class LogKeeper:
         for event in finished_recoveries(self.reader.events):
             if event["generation"] in self.logged_recoveries:
                 continue
-            kept = max(0, self._global_step_of(int(event.get("resume_iteration", 0))) - self.start[2])
+            resume_step = self._global_step_of(int(event.get("resume_iteration", 0)))
+            kept = max(0, resume_step - self.start[2])
             metrics = metrics_for(event, self.reader.events, kept, self.recovered_total)
-            metrics["leto/recovery/resume_step"] = float(self._global_step_of(int(event.get("resume_iteration", 0))))
+            metrics["leto/recovery/resume_step"] = float(resume_step)
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
