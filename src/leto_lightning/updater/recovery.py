@@ -86,12 +86,7 @@ def restore_in_flight(store: RetainedStore) -> tuple[list[tuple[int, str]], list
     """Put every in-flight chunk back to its pre-transaction contents; returns them and their pages."""
     restored, touched = [], []
     if store.in_flight() and int(store.undo_header[UNDO_CHUNK]) == UNDO_WHOLE:
-        pages = restore_whole(store)
-        bad = [p for p in pages if not page_ok(store, p)]
-        if bad:
-            raise RecoveryError(f"rank {store.spec.rank}: the undo copy of the whole-state transaction is damaged "
-                                f"(pages {bad[:10]}); resume from the last checkpoint")
-        return [(-1, "whole-state")], pages
+        return [(-1, "whole-state")], restore_whole_checked(store, "the whole-state transaction")
     for chunk in store.in_flight():
         phase = PHASE_NAMES[int(store.chunk_table[chunk, 1])]
         head = store.undo_header
@@ -121,6 +116,17 @@ def restore_in_flight(store: RetainedStore) -> tuple[list[tuple[int, str]], list
         restored.append((chunk, phase))
         touched.extend(pages)
     return restored, touched
+
+
+def restore_whole_checked(store: RetainedStore, what: str) -> list[int]:
+    """``restore_whole``, then every restored page checked against its restored checksum: a
+    damaged undo copy is refused, never resumed from. Returns the pages."""
+    pages = restore_whole(store)
+    bad = [p for p in pages if not page_ok(store, p)]
+    if bad:
+        raise RecoveryError(f"rank {store.spec.rank}: the undo copy of {what} is damaged (pages {bad[:10]}); "
+                            "resume from the last checkpoint")
+    return pages
 
 
 def reencode(stores: Mapping[int, RetainedStore], codes: ParityCodes, touched: Mapping[int, list[int]]) -> tuple[list, list]:
@@ -250,11 +256,7 @@ def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]
             raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be rolled back but the undo buffer holds "
                                 f"{'chunk ' + str(int(head[UNDO_CHUNK])) if int(head[UNDO_CHUNK]) != UNDO_WHOLE else 'the whole state'}"
                                 f" of iteration {int(head[UNDO_VERSION])}; resume from the last checkpoint")
-        pages = restore_whole(store)
-        bad = [p for p in pages if not page_ok(store, p)]
-        if bad:
-            raise RecoveryError(f"rank {store.spec.rank}: the undo copy of open iteration {t} is damaged (pages "
-                                f"{bad[:10]}); resume from the last checkpoint")
+        pages = restore_whole_checked(store, f"open iteration {t}")
     _check_versions(store, t)
     store.record.write({"status": COMMITTED, "iteration": t - 1, "payload": before})
     report.rolled_back = True
