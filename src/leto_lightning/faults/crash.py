@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import LetoError, LetoTimeoutError
 from .points import set_hook
 
 
@@ -81,7 +82,7 @@ def run_in_child(fn: Callable[[], object], kill_at: KillPoint | None = None, tim
     )
 
 
-class ChildError(RuntimeError):
+class ChildError(LetoError, RuntimeError):
     """The child raised: its traceback is the message."""
 
 
@@ -127,7 +128,7 @@ def _read_until_exit(fd: int, pid: int, timeout: float) -> bytes:
     while True:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise TimeoutError(f"child {pid} neither finished nor reached its kill point in {timeout} s")
+            raise LetoTimeoutError(f"child {pid} neither finished nor reached its kill point in {timeout} s")
         data = os.read(fd, 1 << 20)
         if not data:
             return b"".join(chunks)

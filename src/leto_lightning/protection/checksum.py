@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..errors import ConfigurationError
 from .engines.isal import load_isal
 
 _lib, _ = load_isal()
@@ -67,7 +68,7 @@ def checksum(page: torch.Tensor, algorithm: str | None = None) -> int:
     name = algorithm or CHECKSUM_ALGORITHM
     fn = _ALGORITHMS.get(name)
     if fn is None:
-        raise ValueError(f"checksum algorithm {name!r} is not available here; available: {available_algorithms()}")
+        raise ConfigurationError(f"checksum algorithm {name!r} is not available here; available: {available_algorithms()}")
     return fn(_host_bytes(page))
 
 

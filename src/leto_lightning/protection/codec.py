@@ -22,6 +22,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from ..errors import ConfigurationError
 from . import gf256, staging
 from .engines import ErasureEngine, get_engine
 from .engines.base import check_pages
@@ -44,7 +45,7 @@ def decode_matrix(parity_matrix: np.ndarray, lost: Sequence[int], rows: Sequence
 
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise ConfigurationError(f"{name} must be an int, got {value!r}")
     return int(value)
 
 
@@ -59,13 +60,13 @@ class ReedSolomonCode:
         """
         k, m = _check_int("k (data pages per group)", k), _check_int("m (parity pages)", m)
         if k < 1:
-            raise ValueError(f"k={k}: a group needs at least one data page")
+            raise ConfigurationError(f"k={k}: a group needs at least one data page")
         if m < 0:
-            raise ValueError(f"m={m}: the number of parity pages cannot be negative")
+            raise ConfigurationError(f"m={m}: the number of parity pages cannot be negative")
         if m > k:
-            raise ValueError(f"m={m} > k={k}: more parity than data pages is rejected (H > D); replicate instead")
+            raise ConfigurationError(f"m={m} > k={k}: more parity than data pages is rejected (H > D); replicate instead")
         if k + m > gf256.MAX_CODE_LENGTH:
-            raise ValueError(
+            raise ConfigurationError(
                 f"k + m = {k + m} > {gf256.MAX_CODE_LENGTH}: GF(2^8) Reed-Solomon supports at most 255 pages"
             )
         self.k, self.m = k, m
@@ -99,9 +100,9 @@ class ReedSolomonCode:
 
     def _check_counts(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> None:
         if not 1 <= len(data) <= self.k:
-            raise ValueError(f"got {len(data)} data pages; this code takes 1..{self.k}")
+            raise ConfigurationError(f"got {len(data)} data pages; this code takes 1..{self.k}")
         if len(parity) != self.m:
-            raise ValueError(f"got {len(parity)} parity pages; this code has m={self.m}")
+            raise ConfigurationError(f"got {len(parity)} parity pages; this code has m={self.m}")
 
     def _check_group(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> int:
         self._check_counts(data, parity)
@@ -111,7 +112,7 @@ class ReedSolomonCode:
     def _check_index(self, index: int, n: int = 0) -> int:
         index = _check_int("index", index)
         if not 0 <= index < (n or self.k):
-            raise ValueError(f"data page index {index} out of range 0..{(n or self.k) - 1}")
+            raise ConfigurationError(f"data page index {index} out of range 0..{(n or self.k) - 1}")
         return index
 
     # ----------------------------------------------------------------- encode
@@ -129,7 +130,7 @@ class ReedSolomonCode:
         """``parity_j ^= g[j, index] * src``: add (or, applied again, remove) a page's share."""
         index = self._check_index(index)
         if len(parity) != self.m:
-            raise ValueError(f"got {len(parity)} parity pages; this code has m={self.m}")
+            raise ConfigurationError(f"got {len(parity)} parity pages; this code has m={self.m}")
         if staging.crosses([src], parity):
             staging.apply_contribution(self, index, src, parity, self.engine)
         elif self.m:
@@ -219,9 +220,9 @@ class ReedSolomonCode:
     def _check_positions(positions: Collection[int], n: int, name: str) -> list[int]:
         out = sorted({_check_int(name, p) for p in positions})
         if len(out) != len(list(positions)):
-            raise ValueError(f"{name} lists a page twice: {sorted(positions)}")
+            raise ConfigurationError(f"{name} lists a page twice: {sorted(positions)}")
         if out and not (0 <= out[0] and out[-1] < n):
-            raise ValueError(f"{name}={out} has positions outside 0..{n - 1}")
+            raise ConfigurationError(f"{name}={out} has positions outside 0..{n - 1}")
         return out
 
     # ----------------------------------------------------------------- verify

@@ -1,14 +1,15 @@
-"""Exceptions of the protection layer.
+"""Exceptions of the protection layer (the family is defined in ``leto_lightning.errors``).
 
-Recovery code catches ``ProtectionError`` to fall back to the last checkpoint: more
-damage than the parity covers must be *reported*, never silently repaired wrong.
+Recovery code catches ``ProtectionError`` (or its parent ``RetainedStateError``) to fall back to
+the last checkpoint: more damage than the parity covers must be *reported*, never silently
+repaired wrong.
 """
 
 from __future__ import annotations
 
+from ..errors import ConfigurationError, ProtectionError, UnrecoverableDamageError
 
-class ProtectionError(RuntimeError):
-    """Base class: retained state could not be protected or repaired."""
+__all__ = ["EngineUnavailableError", "ParityExhaustedError", "ProtectionError", "UnrecoverableDamageError"]
 
 
 class ParityExhaustedError(ProtectionError):
@@ -24,5 +25,5 @@ class ParityExhaustedError(ProtectionError):
         super().__init__(f"{msg}; {detail}" if detail else msg)
 
 
-class EngineUnavailableError(ProtectionError):
-    """A named erasure engine cannot be loaded on this machine."""
+class EngineUnavailableError(ProtectionError, ConfigurationError):
+    """A named erasure engine cannot be loaded on this machine (choose another engine)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigurationError
+
 POLYNOMIAL = 0x11D
 """The field's reduction polynomial (ISA-L / reedsolo convention)."""
 
@@ -22,7 +24,7 @@ MAX_CODE_LENGTH = 255
 """Largest k + m supported (every data and parity page needs its own field point)."""
 
 
-class SingularMatrixError(ValueError):
+class SingularMatrixError(ConfigurationError):
     """A square GF(2^8) matrix has no inverse."""
 
 
@@ -86,10 +88,10 @@ def pow_(a: int, n: int) -> int:
 def _as_matrix(a: np.ndarray, name: str) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D matrix, got shape {arr.shape}")
+        raise ConfigurationError(f"{name} must be a 2-D matrix, got shape {arr.shape}")
     if arr.dtype != np.uint8:
         if arr.size and (arr.min() < 0 or arr.max() > 255):
-            raise ValueError(f"{name} has entries outside 0..255")
+            raise ConfigurationError(f"{name} has entries outside 0..255")
         arr = arr.astype(np.uint8)
     return arr
 
@@ -99,7 +101,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = _as_matrix(a, "a")
     b = _as_matrix(b, "b")
     if a.shape[1] != b.shape[0]:
-        raise ValueError(f"cannot multiply {a.shape} by {b.shape}: inner sizes differ")
+        raise ConfigurationError(f"cannot multiply {a.shape} by {b.shape}: inner sizes differ")
     if a.shape[1] == 0:
         return np.zeros((a.shape[0], b.shape[1]), dtype=np.uint8)
     products = MUL_TABLE[a[:, :, None], b[None, :, :]]  # (r, n, c)
@@ -115,7 +117,7 @@ def invert(a: np.ndarray) -> np.ndarray:
     a = _as_matrix(a, "matrix")
     n = a.shape[0]
     if a.shape != (n, n):
-        raise ValueError(f"only square matrices have inverses, got shape {a.shape}")
+        raise ConfigurationError(f"only square matrices have inverses, got shape {a.shape}")
     work = np.concatenate([a.copy(), np.eye(n, dtype=np.uint8)], axis=1)
     for col in range(n):
         pivots = np.nonzero(work[col:, col])[0]
@@ -144,9 +146,9 @@ def cauchy_matrix(k: int, m: int) -> np.ndarray:
     ones makes parity 0 the plain XOR of the data: single-loss repair at memory speed.
     """
     if k < 1 or m < 0:
-        raise ValueError(f"need k >= 1 and m >= 0, got k={k}, m={m}")
+        raise ConfigurationError(f"need k >= 1 and m >= 0, got k={k}, m={m}")
     if k + m > MAX_CODE_LENGTH:
-        raise ValueError(f"k + m = {k + m} exceeds {MAX_CODE_LENGTH} (GF(2^8) has 255 usable points)")
+        raise ConfigurationError(f"k + m = {k + m} exceeds {MAX_CODE_LENGTH} (GF(2^8) has 255 usable points)")
     if m == 0:
         return np.zeros((0, k), dtype=np.uint8)
     x = np.arange(k, k + m)[:, None]

@@ -17,20 +17,9 @@ from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
 from .checksum import checksum
 from .codec import ReedSolomonCode
-from .errors import ProtectionError
+from .errors import UnrecoverableDamageError
 
-
-class UnrecoverableDamageError(ProtectionError):
-    """More pages are damaged than the parity can rebuild. Fall back to a checkpoint."""
-
-    def __init__(self, lost: Mapping[int, list[int]], details: list[str]) -> None:
-        self.lost = {r: sorted(p) for r, p in lost.items() if p}
-        pages = "; ".join(f"rank {r}: pages {p[:16]}{'...' if len(p) > 16 else ''}" for r, p in self.lost.items())
-        super().__init__(
-            f"retained state damaged beyond what parity can repair ({pages}). "
-            + " ".join(details[:8])
-            + " Resume from the last checkpoint instead; the retained state must not be used."
-        )
+__all__ = ["RepairReport", "UnrecoverableDamageError", "find_damage", "page_ok", "repair"]
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import ConfigurationError
 from .engines import get_engine
 from .engines.base import ErasureEngine, check_pages
 
@@ -65,11 +66,11 @@ def _check(pages: Sequence[torch.Tensor], parity: Sequence[torch.Tensor], what: 
     """Validate each page alone (they may span devices) against host parity; return the length."""
     n = check_pages(parity, what="parity pages")
     if parity[0].device.type != "cpu":
-        raise ValueError(f"parity pages are on {parity[0].device}: with data pages on another device, "
+        raise ConfigurationError(f"parity pages are on {parity[0].device}: with data pages on another device, "
                          "parity must be in host memory")
     for i, page in enumerate(pages):
         if check_pages([page], what=f"{what}[{i}]") != n:
-            raise ValueError(f"{what}[{i}] has {page.numel()} bytes, the parity pages {n}")
+            raise ConfigurationError(f"{what}[{i}] has {page.numel()} bytes, the parity pages {n}")
     return n
 
 
@@ -77,10 +78,10 @@ def apply_delta(code: "ReedSolomonCode", index: int, old: torch.Tensor, new: tor
                 parity: Sequence[torch.Tensor], host_engine: ErasureEngine) -> None:
     """``parity_j ^= C[j, index] * (old ^ new)``: old and new on a device, parity on the host."""
     if len(parity) != code.m:
-        raise ValueError(f"got {len(parity)} parity pages; this code has m={code.m}")
+        raise ConfigurationError(f"got {len(parity)} parity pages; this code has m={code.m}")
     n = _check([old, new], parity, "delta pages")
     if old.device != new.device:
-        raise ValueError(f"old page on {old.device}, new page on {new.device}")
+        raise ConfigurationError(f"old page on {old.device}, new page on {new.device}")
     if not code.m:
         return
     coeffs = code.matrix[:, index]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import ConfigurationError
+
 MiB = 1 << 20
 
 
@@ -43,36 +45,36 @@ class RetainedConfig:
         _positive("data_pages", self.data_pages)
         _positive("record_bytes", self.record_bytes)
         if self.page_bytes % 64:
-            raise ValueError(
+            raise ConfigurationError(
                 f"page_bytes={self.page_bytes} must be a multiple of 64 B (cache line, and every element size)"
             )
         for name in ("tier1_parity", "tier2_parity"):
             value = getattr(self, name)
             if value < 0:
-                raise ValueError(f"{name}={value} must be >= 0")
+                raise ConfigurationError(f"{name}={value} must be >= 0")
         if self.tier1_parity > self.data_pages:
-            raise ValueError(
+            raise ConfigurationError(
                 f"tier1_parity={self.tier1_parity} exceeds data_pages={self.data_pages}: more parity than data "
                 "per group is wasted memory -- lower tier1_parity or raise data_pages"
             )
         if self.data_pages + self.tier1_parity > 255:
-            raise ValueError(
+            raise ConfigurationError(
                 f"data_pages + tier1_parity = {self.data_pages + self.tier1_parity} > 255: Reed-Solomon over GF(2^8) "
                 "codes at most 255 pages per group"
             )
         if self.engine not in ("auto", "isal", "torch"):
-            raise ValueError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
+            raise ConfigurationError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
         if self.backend not in ("cpu", "cuda"):
-            raise ValueError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' (device memory)")
+            raise ConfigurationError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' (device memory)")
 
     def check_devices(self, n_devices: int) -> None:
         """Tier 2 spans the devices of a node: validate H2 against how many there are."""
         if n_devices >= 2 and self.tier2_parity > n_devices:
-            raise ValueError(
+            raise ConfigurationError(
                 f"tier2_parity={self.tier2_parity} exceeds the {n_devices} devices per node it protects"
             )
         if n_devices + self.tier2_parity > 255:
-            raise ValueError(f"{n_devices} devices + tier2_parity={self.tier2_parity} > 255 (GF(2^8) limit)")
+            raise ConfigurationError(f"{n_devices} devices + tier2_parity={self.tier2_parity} > 255 (GF(2^8) limit)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,4 +82,4 @@ class RetainedConfig:
 
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+        raise ConfigurationError(f"{name}={value!r} must be a positive integer")

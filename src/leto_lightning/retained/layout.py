@@ -26,6 +26,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from ..errors import ConfigurationError
+
 PARAM = "param"
 GRAD = "grad"
 
@@ -41,7 +43,7 @@ _STATE_KINDS = {
 def state_kinds(family: str, group: dict) -> tuple[str, ...]:
     """The per-element optimizer-state buffers a param group of ``family`` needs."""
     if family not in _STATE_KINDS:
-        raise ValueError(f"unknown optimizer family {family!r}; known: {sorted(_STATE_KINDS)}")
+        raise ConfigurationError(f"unknown optimizer family {family!r}; known: {sorted(_STATE_KINDS)}")
     return _STATE_KINDS[family](group)
 
 
@@ -242,9 +244,9 @@ def build_layout(
     """
     group_options = list(group_options or [{} for _ in groups])
     if len(group_options) != len(groups):
-        raise ValueError("group_options must have one entry per param group")
+        raise ConfigurationError("group_options must have one entry per param group")
     if page_bytes <= 0 or chunk_pages <= 0:
-        raise ValueError(f"page_bytes ({page_bytes}) and chunk_pages ({chunk_pages}) must be positive")
+        raise ConfigurationError(f"page_bytes ({page_bytes}) and chunk_pages ({chunk_pages}) must be positive")
     segments: list[Segment] = []
     params: list[ParamSlot] = []
     regions: list[Region] = []
@@ -254,7 +256,7 @@ def build_layout(
         for dtype, items in _by_dtype(members):
             elem = torch.empty((), dtype=dtype).element_size()
             if page_bytes % elem:
-                raise ValueError(
+                raise ConfigurationError(
                     f"page_bytes={page_bytes} is not a multiple of the {dtype_name(dtype)} element size ({elem} B)"
                 )
             seg_index = len(segments)

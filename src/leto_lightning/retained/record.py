@@ -19,12 +19,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import ConfigurationError
+
 _MAGIC = 0x4C45544F52454344  # "LETORECD"
 _HEADER = struct.Struct("<QQQQ")
 
 
-class RecordTooLargeError(ValueError):
-    pass
+class RecordTooLargeError(ConfigurationError):
+    """A progress-record payload does not fit its slot (raise ``record_bytes``)."""
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ProgressRecord:
 
     def __init__(self, buffer: torch.Tensor, on_half_written: Callable[[], None] | None = None) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % 2:
-            raise ValueError("record buffer must be a 1-D uint8 tensor of even length")
+            raise ConfigurationError("record buffer must be a 1-D uint8 tensor of even length")
         self._slot_bytes = buffer.numel() // 2
         self._slots = (buffer[: self._slot_bytes], buffer[self._slot_bytes :])
         self._on_half_written = on_half_written

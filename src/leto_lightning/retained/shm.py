@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ConfigurationError, UsageError
+
 try:  # CPython's private helper, present on every POSIX build
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
@@ -55,7 +57,7 @@ class SharedSegment:
     def create(cls, name: str, nbytes: int) -> "SharedSegment":
         """Create a new zero-filled segment readable and writable only by this user (0600)."""
         if nbytes <= 0:
-            raise ValueError(f"segment {name!r}: size must be positive, got {nbytes}")
+            raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
         fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -80,7 +82,7 @@ class SharedSegment:
         """The whole segment as a writable uint8 tensor (a view, no copy)."""
         if self._tensor is None:
             if self._mmap is None:
-                raise RuntimeError(f"segment {self.name!r} is closed")
+                raise UsageError(f"segment {self.name!r} is closed")
             self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         return self._tensor
 

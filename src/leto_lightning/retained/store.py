@@ -31,6 +31,7 @@ from functools import cached_property
 
 import torch
 
+from ..errors import ConfigurationError
 from ..faults.points import point
 from ..protection.groups import Tier1Plan, Tier2Plan
 from .config import RetainedConfig
@@ -273,7 +274,7 @@ def _create_or_attach(name: str, nbytes: int) -> SharedSegment:
     except FileExistsError:
         seg = SharedSegment.attach(name)
         if seg.nbytes != nbytes:
-            raise ValueError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B (layouts differ?)")
+            raise ConfigurationError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B (layouts differ?)")
         return seg
 
 

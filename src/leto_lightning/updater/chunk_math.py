@@ -14,6 +14,8 @@ import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
+from ..errors import ConfigurationError
+
 
 @dataclass
 class ChunkPieces:
@@ -34,7 +36,7 @@ def apply_update(family: str, hp: dict, pieces: ChunkPieces) -> None:
     elif family == "sgd":
         _sgd(hp, pieces)
     else:  # pragma: no cover - the layout rejects unknown families first
-        raise ValueError(f"no chunked math for optimizer family {family!r}")
+        raise ConfigurationError(f"no chunked math for optimizer family {family!r}")
 
 
 def _adam(hp: dict, pieces: ChunkPieces) -> None:

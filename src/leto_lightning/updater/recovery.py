@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..errors import ConfigurationError
 from ..protection.repair import RepairReport, page_ok, repair
 from ..retained.record import read_all
 from ..retained.store import (
@@ -43,12 +44,8 @@ from ..retained.store import (
     RetainedStore,
 )
 from .whole_state import restore_whole
-from ..protection.errors import ProtectionError
+from ..errors import RecoveryError
 from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
-
-
-class RecoveryError(ProtectionError):
-    """Retained state cannot be brought back to a consistent iteration; use a checkpoint."""
 
 
 @dataclass
@@ -178,7 +175,7 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     through the job's store before anything rolls forward or back.
     """
     if not stores:
-        raise ValueError("recover_node needs at least one store")
+        raise ConfigurationError("recover_node needs at least one store")
     codes = codes or ParityCodes(next(iter(stores.values())))
     reports = {r: RecoveryReport(rank=s.spec.rank) for r, s in stores.items()}
     touched: dict[int, list[int]] = {}

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
@@ -96,7 +97,7 @@ class RetainedOptimizer:
         self.payload_fn = payload_fn
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         if len(self.params) != len(self.layout.params):
-            raise ValueError(f"optimizer has {len(self.params)} params, the store's layout {len(self.layout.params)}")
+            raise ConfigurationError(f"optimizer has {len(self.params)} params, the store's layout {len(self.layout.params)}")
         if self.layout.family == "generic":
             self.txn: ChunkTransactions = WholeStateTransactions(store, optimizer, self.params, ParityCodes(store))
         else:
@@ -105,7 +106,7 @@ class RetainedOptimizer:
         self._grad_views = [store.param_view(slot, GRAD) for slot in self.layout.params]  # made once: per step
         self.iteration = 0
         if rollback_window and self.layout.family != "generic":
-            raise ValueError("rollback_window needs a whole-state layout: layout_for(..., whole_state=True)")
+            raise ConfigurationError("rollback_window needs a whole-state layout: layout_for(..., whole_state=True)")
         self.rollback_window = rollback_window
         self.boundary_payload: object = None  # rollback window: the payload of the last sealed record
         self._before: object = None  # rollback window: the sealed payload the open iteration started from
@@ -144,7 +145,7 @@ class RetainedOptimizer:
         store, lay = self.store, self.layout
         for slot, p in zip(lay.params, self.params):
             if tuple(p.shape) != slot.shape:
-                raise ValueError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
+                raise ConfigurationError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
             existing = dict(self.optimizer.state.get(p, {}))  # e.g. loaded from a checkpoint
             view = store.param_view(slot, PARAM)
             if not adopt:
@@ -213,10 +214,10 @@ class RetainedOptimizer:
             self.txn.commit(payload["iteration"], payload["payload"])
             payload = dict(payload, status=COMMITTED)
         if payload["status"] == PREPARED:
-            raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
+            raise UsageError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
                                "committed; run updater.recovery.recover_node before binding a shadow")
         if payload.get("open"):
-            raise RuntimeError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is still open (its "
+            raise UsageError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is still open (its "
                                "batch never ended); run updater.recovery.recover_node before binding a shadow")
         self.iteration = payload["iteration"] + 1
         self.boundary_payload = payload["payload"]
@@ -249,7 +250,7 @@ class RetainedOptimizer:
         skip = [i for i in range(len(self.params)) if i not in self._received]
         if self.rollback_window:
             if self._open:
-                raise RuntimeError("one optimizer step per sealed iteration: with a rollback window (manual "
+                raise UsageError("one optimizer step per sealed iteration: with a rollback window (manual "
                                    "optimization) call optimizer.step() at most once per training_step")
             self.txn.open_records = True
             payload = self._before = self.boundary_payload  # a rollback resumes here and redoes the step
@@ -266,7 +267,7 @@ class RetainedOptimizer:
         from ``payload``. Called again for the same iteration (e.g. after validation), it only
         replaces the payload. Keeps the payload to roll back to while a peer is still open."""
         if not self.rollback_window:
-            raise RuntimeError("seal() belongs to a rollback window (RetainedOptimizer(rollback_window=True))")
+            raise UsageError("seal() belongs to a rollback window (RetainedOptimizer(rollback_window=True))")
         point("seal.begin", iteration=self.iteration - 1)
         record = {"status": COMMITTED, "iteration": self.iteration - 1, "payload": payload}
         if self._has_before:  # what a rollback of this iteration resumes from (recovery.roll_back)

@@ -24,6 +24,7 @@ import numpy as np
 
 import torch
 
+from ..errors import RecoveryError
 from ..faults.points import point
 from ..protection.checksum import checksum
 from ..protection.codec import ReedSolomonCode
@@ -161,7 +162,7 @@ class ChunkTransactions:
         store, lay = self.store, self.layout
         table = self._table
         if table[chunk, 0] != iteration:
-            raise RuntimeError(
+            raise RecoveryError(
                 f"chunk {chunk} is at version {int(table[chunk, 0])}, expected {iteration}: retained state is "
                 "inconsistent with the update being applied"
             )

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import ConfigurationError, RecoveryError
 from ..faults.points import point
 from ..retained.layout import GRAD, PARAM
 from ..retained.store import (
@@ -39,8 +40,8 @@ from .transaction import ChunkTransactions, ParityCodes, settle, to_i64
 from ..protection.checksum import checksum
 
 
-class UnsupportedOptimizerError(TypeError):
-    pass
+class UnsupportedOptimizerError(ConfigurationError, TypeError):
+    """The optimizer (or one of its options) cannot keep its state in retained memory."""
 
 
 def probe_state(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -87,7 +88,8 @@ class WholeStateTransactions(ChunkTransactions):
         if bool((versions == iteration + 1).all()):
             return
         if not bool((versions == iteration).all()):
-            raise RuntimeError(f"whole-state update of iteration {iteration}: chunks at mixed versions")
+            raise RecoveryError(f"whole-state update of iteration {iteration}: chunks at mixed versions "
+                                "(retained state inconsistent); resume from the last checkpoint")
         for group, hp in zip(self.optimizer.param_groups, hparams):  # the settings recorded at prepare
             group.update({k: v for k, v in hp.items() if not k.startswith("_leto")})
         pages = list(lay.update_pages)

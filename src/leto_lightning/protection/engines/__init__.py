@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from ...errors import ConfigurationError
 from ..errors import EngineUnavailableError
 from .base import ErasureEngine
 from .isal import IsalEngine, load_isal
@@ -41,7 +42,7 @@ def _make(name: str) -> ErasureEngine:
         return IsalEngine()
     if name == "torch":
         return TorchEngine()
-    raise ValueError(f"unknown erasure engine {name!r}; choose 'auto', 'isal' or 'torch'")
+    raise ConfigurationError(f"unknown erasure engine {name!r}; choose 'auto', 'isal' or 'torch'")
 
 
 def get_engine(name: str = "auto") -> ErasureEngine:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ...errors import ConfigurationError
+
 
 class ErasureEngine(abc.ABC):
     """Bulk GF(2^8) page arithmetic: dot products and multiply-accumulate."""
@@ -57,9 +59,9 @@ def check_pages(pages: Sequence[torch.Tensor], *, what: str, cpu_only: bool = Fa
         if length < 0:
             length, device = page.numel(), page.device
         elif page.numel() != length:
-            raise ValueError(f"{what}[{i}] has {page.numel()} bytes, expected {length} like the others")
+            raise ConfigurationError(f"{what}[{i}] has {page.numel()} bytes, expected {length} like the others")
         elif page.device != device:
-            raise ValueError(f"{what}[{i}] is on {page.device}, the others on {device}")
+            raise ConfigurationError(f"{what}[{i}] is on {page.device}, the others on {device}")
     return max(length, 0)
 
 
@@ -71,9 +73,9 @@ def check_operands(
     n_dst = check_pages(dsts, what="dsts", cpu_only=cpu_only)
     if srcs and dsts:
         if n_src != n_dst:
-            raise ValueError(f"source pages have {n_src} bytes but destination pages {n_dst}")
+            raise ConfigurationError(f"source pages have {n_src} bytes but destination pages {n_dst}")
         if srcs[0].device != dsts[0].device:
-            raise ValueError(f"source pages are on {srcs[0].device}, destinations on {dsts[0].device}")
+            raise ConfigurationError(f"source pages are on {srcs[0].device}, destinations on {dsts[0].device}")
     check_no_overlap(srcs, dsts)
     return n_src if srcs else n_dst
 
@@ -89,7 +91,7 @@ def check_no_overlap(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor])
     for n, (lo, hi, label) in enumerate(spans):
         for lo2, hi2, label2 in spans[n + 1 :] + others:
             if lo < hi2 and lo2 < hi:
-                raise ValueError(f"{label} overlaps {label2}: destinations must not alias any other page")
+                raise ConfigurationError(f"{label} overlaps {label2}: destinations must not alias any other page")
 
 
 def check_matrix(matrix: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -97,8 +99,8 @@ def check_matrix(matrix: np.ndarray, rows: int, cols: int) -> np.ndarray:
     arr = np.ascontiguousarray(matrix)
     if arr.dtype != np.uint8:
         if arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() > 255)):
-            raise ValueError(f"coefficients must be integers in 0..255 (numpy uint8), got {arr.dtype}")
+            raise ConfigurationError(f"coefficients must be integers in 0..255 (numpy uint8), got {arr.dtype}")
         arr = arr.astype(np.uint8)
     if arr.shape != (rows, cols):
-        raise ValueError(f"coefficient matrix has shape {arr.shape}, expected ({rows}, {cols}) for the pages given")
+        raise ConfigurationError(f"coefficient matrix has shape {arr.shape}, expected ({rows}, {cols}) for the pages given")
     return arr
