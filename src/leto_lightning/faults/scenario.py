@@ -91,6 +91,8 @@ class CoreScenario:
                 ro.bind(adopt=False)
                 trainers.append((model, ro))
             encode_tier2(stores, ParityCodes(stores[0]))
+            for store in stores:
+                store.mark_complete()  # set-up done: every view bound, all parity encoded
         except BaseException:
             unlink_segments(job_id)
             raise

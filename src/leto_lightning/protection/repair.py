@@ -1,17 +1,25 @@
-"""Find damaged pages and rebuild them from parity, tier 1 first, then tier 2.
+"""Find damaged pages and rebuild them from parity, tier 1 first, then tier 2; verify parity.
 
 Every data page has a checksum recorded when it was last written; a mismatch is an erasure
 at a known position. Rebuilding alternates between the tiers until nothing more can be
 done: a tier-2 rebuild can bring a tier-1 group back within reach and vice versa. Every
 rebuilt page is checked against its recorded checksum before it counts as repaired -- a
-wrong parity page can never slip a wrong page through. What is left raises
-``UnrecoverableDamageError`` naming the pages and groups: nothing is silently wrong.
+wrong parity page can never slip a wrong page through: a rebuild that fails its checksums is
+tried again with another choice of parity pages, so any intact ones are used. What is left
+raises ``UnrecoverableDamageError`` naming the pages and groups: nothing is silently wrong.
+
+Parity itself carries no checksum: once every data page of a group is verified, the group's
+parity is a function of them. ``verify_parity`` re-encodes each group and rewrites the parity
+pages that differ (damaged, or left stale by an update or a recovery that was killed).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Collection, Mapping
+from typing import Collection, Mapping, Sequence
+
+import torch
 
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
@@ -19,7 +27,7 @@ from .checksum import checksum
 from .codec import ReedSolomonCode
 from .errors import UnrecoverableDamageError
 
-__all__ = ["RepairReport", "UnrecoverableDamageError", "find_damage", "page_ok", "repair"]
+__all__ = ["RepairReport", "UnrecoverableDamageError", "find_damage", "page_ok", "repair", "verify_parity"]
 
 
 @dataclass
@@ -76,6 +84,22 @@ def repair(
     return report
 
 
+def rebuild(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+            missing: list[int], check) -> bool:
+    """Rebuild ``data[i] for i in missing`` in place; ``check(i)`` verifies a rebuilt page.
+
+    Tries the parity pages in every combination of ``len(missing)`` of them until all rebuilt
+    pages pass ``check``: a damaged parity page is then simply left out. Works on copies of the
+    parity (``reconstruct`` also rewrites the parity rows it did not use). False: no choice works.
+    """
+    for rows in itertools.combinations(range(code.m), len(missing)):
+        unused = [j for j in range(code.m) if j not in rows]
+        code.reconstruct(data, [p.clone() for p in parity], missing, unused)
+        if all(check(i) for i in missing):
+            return True
+    return False
+
+
 def _tier1_pass(store: RetainedStore, code, lost: set[int], done: list[int], details: list[str]) -> bool:
     if code is None or not lost:
         return False
@@ -87,14 +111,14 @@ def _tier1_pass(store: RetainedStore, code, lost: set[int], done: list[int], det
         if len(missing) > code.m:
             details.append(f"Tier-1 group {g} (pages {pages[0]}..{pages[-1]}) lost {len(missing)} pages, has {code.m} parity.")
             continue
-        code.reconstruct([store.pages[p] for p in pages], list(store.parity1[g]), missing)
-        for i in missing:
-            if page_ok(store, pages[i]):
-                lost.discard(pages[i])
-                done.append(pages[i])
-                progress = True
-            else:
-                details.append(f"Tier-1 rebuild of page {pages[i]} failed its checksum (parity of group {g} damaged?).")
+        if rebuild(code, [store.pages[p] for p in pages], list(store.parity1[g]), missing,
+                   lambda i: page_ok(store, pages[i])):
+            lost.difference_update(pages[i] for i in missing)
+            done.extend(pages[i] for i in missing)
+            progress = True
+        else:
+            details.append(f"Tier-1 rebuild of pages {[pages[i] for i in missing]} (group {g}) failed their checksums "
+                           f"with every choice of {len(missing)} of its {code.m} parity pages (parity damaged too?).")
     return progress
 
 
@@ -107,24 +131,59 @@ def _tier2_pass(stores: Mapping[int, RetainedStore], code, lost: dict[int, set[i
         details.append(f"Tier 2 needs all {plan.n_devices} devices' stores, got {len(stores)}.")
         return False
     progress = False
+    ranks = sorted(stores)
     for page in sorted(set().union(*lost.values())):
         stripe = int(plan.page_stripe[page])
         if stripe < 0:
             continue
-        missing = [r for r in sorted(stores) if page in lost[r]]
+        missing = [r for r in ranks if page in lost[r]]
         if len(missing) > code.m:
             details.append(f"Tier-2 stripe {stripe} lost page {page} on {len(missing)} devices, has {code.m} parity.")
             continue
-        ranks = sorted(stores)
-        code.reconstruct([stores[r].pages[page] for r in ranks], list(any_store.parity2[stripe]), [ranks.index(r) for r in missing])
-        for r in missing:
-            if page_ok(stores[r], page):
+        if rebuild(code, [stores[r].pages[page] for r in ranks], list(any_store.parity2[stripe]),
+                   [ranks.index(r) for r in missing], lambda i: page_ok(stores[ranks[i]], page)):
+            for r in missing:
                 lost[r].discard(page)
                 done.setdefault(r, []).append(page)
-                progress = True
-            else:
-                details.append(f"Tier-2 rebuild of page {page} on device {r} failed its checksum.")
+            progress = True
+        else:
+            details.append(f"Tier-2 rebuild of page {page} on devices {missing} (stripe {stripe}) failed its checksums.")
     return progress
+
+
+def verify_parity(stores: Mapping[int, RetainedStore], tier1: ReedSolomonCode | None, tier2: ReedSolomonCode | None,
+                  include_grads: Collection[int] | bool) -> tuple[dict[int, list[int]], list[int]]:
+    """Re-encode every group (and, with all the node's stores, every tier-2 stripe) whose parity
+    differs from its verified data pages; returns ``({local rank: groups}, stripes)`` rewritten.
+
+    Gradient groups count only for the ranks in ``include_grads`` (elsewhere the gradients are
+    transient and the next prepare re-encodes their parity).
+    """
+    groups: dict[int, list[int]] = {}
+    for r, store in stores.items():
+        if tier1 is None:
+            break
+        grads = include_grads is True or (include_grads is not False and r in include_grads)
+        kinds, plan = store.layout.page_kind, store.spec.tier1
+        for g, pages in enumerate(plan.groups):
+            if kinds[pages[0]] == GRAD and not grads:
+                continue
+            data, parity = [store.pages[p] for p in pages], list(store.parity1[g])
+            if tier1.verify(data, parity):
+                tier1.encode(data, parity)
+                groups.setdefault(r, []).append(g)
+    stripes: list[int] = []
+    first = next(iter(stores.values()))
+    if tier2 is not None and first.spec.tier2.enabled and len(stores) == first.spec.tier2.n_devices:
+        ranks = sorted(stores)
+        for page, stripe in enumerate(first.spec.tier2.page_stripe):
+            if stripe < 0:
+                continue
+            data, parity = [stores[r].pages[page] for r in ranks], list(first.parity2[int(stripe)])
+            if tier2.verify(data, parity):
+                tier2.encode(data, parity)
+                stripes.append(int(stripe))
+    return groups, stripes
 
 
 def _peer_grad_pass(stores: Mapping[int, RetainedStore], lost: dict[int, set[int]], done: dict) -> bool:

@@ -5,9 +5,12 @@ Segments of one rank (CPU backend: POSIX shared memory, named ``leto-<job>-r<ran
 - ``data``:    every page of every region (params, grads, optimizer state; see layout.py);
 - ``undo``:    the undo buffer -- the old contents of the one chunk in flight;
 - ``parity1``: tier-1 parity pages (host memory);
-- ``meta``:    chunk table (version, phase), optimizer step counters, page checksums, undo
-               header, and the two progress-record slots;
-- ``spec``:    the pickled ``StoreSpec``, so a process that only knows (job, rank) can attach.
+- ``meta``:    page-aligned areas: the *primary* metadata (chunk table [version, phase], optimizer
+               step counters, page checksums, scalar state, flags, and checksum words over them),
+               its *mirror* (a second copy), two copies of the undo header, and the two
+               progress-record slots (``integrity.py`` keeps them consistent and checked);
+- ``spec``:    the ``StoreSpec`` as checksummed JSON, twice, and the completion mark
+               (``spec.py``), so a process that only knows (job, rank) can attach.
 
 and one per node: ``leto-<job>-node<k>-parity2`` with the tier-2 stripes.
 
@@ -24,99 +27,41 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
-import pickle
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, IncompleteStoreError, UnrecoverableDamageError
 from ..faults.points import point
-from ..protection.groups import Tier1Plan, Tier2Plan
-from .config import RetainedConfig
-from .layout import ParamSlot, StoreLayout, dtype_of
+from .layout import ParamSlot, dtype_of
 from .record import ProgressRecord
 from .shm import SHM_DIR, SharedSegment, segment_name, unlink_segment
+from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
+    UNDO_CHUNK,
+    UNDO_CRCS,
+    UNDO_NPAGES,
+    UNDO_NPIECES,
+    UNDO_VERSION,
+    StoreSpec,
+    read_spec,
+    valid_marks,
+    write_marks,
+    write_spec,
+)
 
-# Chunk phases (meta chunk table, column 1). A chunk is "in flight" from UNDO_SAVED until its
-# commit mark puts it back to IDLE at the new version.
+# Chunk phases (meta chunk table, column 1), for reports: which sub-step a chunk reached. Recovery
+# does not trust them: a chunk is in flight when the (checksummed) undo header names it and its
+# (checksummed) commit mark does not show the new version.
 IDLE, UNDO_SAVED, MATH_DONE, TIER1_DONE, TIER2_DONE, CHECKSUMMED = range(6)
 PHASE_NAMES = ("idle", "undo_saved", "math_done", "tier1_done", "tier2_done", "checksummed")
 
-# Undo header (int64 words): chunk, version, n_pages, n_pieces, then one crc per page, then
-# the pieces' old step counters (float64 bits).
-UNDO_CHUNK, UNDO_VERSION, UNDO_NPAGES, UNDO_NPIECES, UNDO_CRCS = range(5)
 UNDO_WHOLE = -1  # UNDO_CHUNK value of a whole-state transaction (generic optimizers)
 FLAG_GENERIC_STATE_BOUND = 0  # flags word: the generic optimizer's lazily created state lives in the store
 DEVICE_SEGMENTS = ("data", "undo")  # what backend="cuda" puts in device memory
 
 
-@dataclass(frozen=True)
-class StoreSpec:
-    """Everything needed to (re)build a rank's views: picklable, no tensors."""
-
-    job_id: str
-    rank: int
-    node: int
-    local_rank: int
-    n_local: int
-    layout: StoreLayout
-    config: RetainedConfig
-    device_manager: str = ""  # backend="cuda": address of the state manager holding data and undo
-
-    def name(self, what: str) -> str:
-        return segment_name(self.job_id, f"r{self.rank}", what)
-
-    def node_name(self, what: str) -> str:
-        return segment_name(self.job_id, f"node{self.node}", what)
-
-    @cached_property
-    def tier1(self) -> Tier1Plan:
-        return Tier1Plan(self.layout, self.config.data_pages, self.config.tier1_parity, self.config.protect_grads)
-
-    @cached_property
-    def tier2(self) -> Tier2Plan:
-        return Tier2Plan(self.layout, self.n_local, self.config.tier2_parity)
-
-    @property
-    def meta_words(self) -> dict[str, int]:
-        """Sizes (in 8-byte words) of the meta sub-arrays, in order."""
-        lay = self.layout
-        return {
-            "chunks": 2 * lay.n_chunks,
-            "steps": lay.n_pieces,
-            "crcs": lay.n_pages,
-            "undo": UNDO_CRCS + lay.max_chunk_update_pages + lay.max_chunk_pieces,
-            "scalars": len(lay.params) * len(lay.scalar_kinds),
-            "flags": 8,
-        }
-
-    @property
-    def whole_state(self) -> bool:
-        """Generic optimizers update everything in one transaction: the undo buffer holds it all."""
-        return self.layout.family == "generic"
-
-    def undo_bytes(self) -> int:
-        lay = self.layout
-        if not self.whole_state:
-            return max(1, lay.max_chunk_update_pages) * lay.page_bytes
-        # backups of crcs, steps, scalars and flags
-        backups = len(lay.update_pages) + lay.n_pieces + self.meta_words["scalars"] + self.meta_words["flags"]
-        return len(lay.update_pages) * lay.page_bytes + 8 * backups
-
-    def sizes(self) -> dict[str, int]:
-        lay, cfg = self.layout, self.config
-        meta = 8 * sum(self.meta_words.values()) + 2 * cfg.record_bytes
-        return {
-            "data": lay.data_bytes,
-            "undo": self.undo_bytes(),
-            "parity1": max(1, self.tier1.n_groups * cfg.tier1_parity) * lay.page_bytes,
-            "meta": meta,
-        }
-
-    def parity2_bytes(self) -> int:
-        return max(1, self.tier2.n_stripes * self.config.tier2_parity) * self.layout.page_bytes
+class StoreMissingError(IncompleteStoreError, FileNotFoundError):
+    """A segment of the store does not exist (never created, or already freed)."""
 
 
 class RetainedStore:
@@ -127,22 +72,28 @@ class RetainedStore:
         self.layout = spec.layout
         self.config = spec.config
         self.segments = segments
+        self.spec_crc = 0
+        self.spec_findings: list[str] = []  # spec copies found damaged at attach (recovery rewrites them)
         self._build_views()
         self._t2_lock_fd: int | None = None
 
     # -- creation and attachment -------------------------------------------------------
     @classmethod
     def create(cls, spec: StoreSpec) -> "RetainedStore":
-        """Allocate every segment of ``spec.rank`` (the node's tier-2 segment too, for local rank 0)."""
+        """Allocate every segment of ``spec.rank`` (the node's tier-2 segment too, for local rank 0).
+
+        The store is not *complete* until its creator calls ``mark_complete()`` once the views are
+        bound and all parity is encoded (tier 2 included): a half-initialised store is refused by
+        recovery with ``IncompleteStoreError``.
+        """
         if spec.config.backend == "cuda":
             spec = _with_device_manager(spec)
         created: dict[str, SharedSegment] = {}
         try:
             for what, nbytes in spec.sizes().items():
                 created[what] = _new_segment(spec, what, nbytes)
-            blob = pickle.dumps(spec)
-            created["spec"] = SharedSegment.create(spec.name("spec"), len(blob))
-            created["spec"].tensor.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            created["spec"] = SharedSegment.create(spec.name("spec"), spec.spec_bytes())
+            write_spec(created["spec"].tensor, spec)  # the marks stay zero: not complete
             if spec.tier2.enabled:
                 created["parity2"] = _create_or_attach(spec.node_name("parity2"), spec.parity2_bytes())
         except BaseException:
@@ -153,18 +104,65 @@ class RetainedStore:
                 from .backends.cuda_ipc import stop_private
                 stop_private(spec.device_manager)
             raise
-        return cls(spec, created)
+        store = cls(spec, created)
+        store.spec_crc = read_spec(created["spec"].tensor, spec.name("spec"))[1]
+        return store
 
     @classmethod
     def attach(cls, job_id: str, rank: int) -> "RetainedStore":
-        spec_seg = SharedSegment.attach(segment_name(job_id, f"r{rank}", "spec"))
-        spec: StoreSpec = pickle.loads(bytes(spec_seg.tensor.numpy()))
+        """Map an existing store. Raises ``StoreMissingError`` (an ``IncompleteStoreError`` and a
+        ``FileNotFoundError``) when a segment does not exist, and ``IncompleteStoreError`` /
+        ``UnrecoverableDamageError`` when no copy of the spec is intact. Does *not* require the
+        completion mark (tier-2 set-up attaches peers before it is written): ``recover_node`` and
+        ``RetainedOptimizer.bind(adopt=True)`` check it."""
+        name = segment_name(job_id, f"r{rank}", "spec")
+        spec_seg = _attach_or_missing(name, job_id, rank)
+        try:
+            spec, crc, findings = read_spec(spec_seg.tensor, name)
+        except ValueError as exc:
+            never_marked = not bool(spec_seg.tensor[:64].any())
+            spec_seg.close()
+            if never_marked:
+                raise IncompleteStoreError(
+                    f"rank {rank} of job {job_id}: no intact spec in segment {name} and no completion mark: the store "
+                    "was half-initialised (its creator died during set-up). Start from the last checkpoint (or "
+                    "afresh) and free it with `leto cleanup`.") from None
+            raise UnrecoverableDamageError({}, [str(exc) + "."]) from None
         segs = {"spec": spec_seg}
-        for what in spec.sizes():
-            segs[what] = _open_segment(spec, what)
-        if spec.tier2.enabled:
-            segs["parity2"] = SharedSegment.attach(spec.node_name("parity2"))
-        return cls(spec, segs)
+        try:
+            for what in spec.sizes():
+                segs[what] = _open_segment(spec, what)
+            if spec.tier2.enabled:
+                segs["parity2"] = _attach_or_missing(spec.node_name("parity2"), job_id, rank)
+            store = cls(spec, segs)
+        except BaseException:
+            for seg in segs.values():
+                seg.close()
+            raise
+        store.spec_crc, store.spec_findings = crc, findings
+        return store
+
+    # -- the completion mark ------------------------------------------------------------
+    def mark_complete(self) -> None:
+        """Write the "completely initialised and protected" mark: call it last in set-up, once
+        every local rank's views are bound and all parity (tier 2 included) is encoded."""
+        write_marks(self.segments["spec"].tensor, self.spec_crc)
+
+    def clear_complete(self) -> None:
+        """Withdraw the mark (the store is being initialised again)."""
+        write_marks(self.segments["spec"].tensor, None)
+
+    def is_complete(self) -> bool:
+        """True when a valid completion mark for this store's spec is present."""
+        return bool(valid_marks(self.segments["spec"].tensor, self.spec_crc))
+
+    def require_complete(self) -> None:
+        """Raise ``IncompleteStoreError`` when the store was never completely initialised."""
+        if not self.is_complete():
+            raise IncompleteStoreError(
+                f"rank {self.spec.rank}: retained store {self.spec.name('*')} has no valid completion mark: it was "
+                "half-initialised (its creator died during set-up, before all parity was encoded). Its contents "
+                "cannot be trusted: start from the last checkpoint (or afresh) and free it (`leto cleanup`).")
 
     @contextmanager
     def tier2_lock(self, chunk: int):
@@ -212,23 +210,32 @@ class RetainedStore:
             self.parity2 = self.segments["parity2"].tensor[: n2 * cfg.tier2_parity * pb].view(n2, cfg.tier2_parity, pb)
         else:
             self.parity2 = None
-        meta = self.segments["meta"].tensor
-        words = meta[: 8 * sum(self.spec.meta_words.values())].view(torch.int64)
-        offset = 0
-        views = {}
-        for key, n in self.spec.meta_words.items():
-            views[key] = words[offset : offset + n]
-            offset += n
-        self.chunk_table = views["chunks"].view(lay.n_chunks, 2)  # [version, phase]
+        self._build_meta_views(self.segments["meta"].tensor)
+
+    def _build_meta_views(self, meta: torch.Tensor) -> None:
+        lay, cfg = self.layout, self.config
+        areas, offset = {}, 0
+        for name, fields in self.spec.meta_areas.items():
+            words = meta[offset : offset + 8 * sum(fields.values())].view(torch.int64)
+            at, views = 0, {}
+            for key, n in fields.items():
+                views[key] = words[at : at + n]
+                at += n
+            areas[name] = views
+            offset += max(4096, -(-8 * sum(fields.values()) // 4096) * 4096)
+        primary, mirror = areas["primary"], areas["mirror"]
+        self.chunk_table = primary["chunks"].view(lay.n_chunks, 2)  # [version, phase]
         # Optimizer step counter per piece (float32, like torch.optim's ``state["step"]``; the
         # word array is twice as large as needed).
-        self.steps = views["steps"].view(torch.float32)[: lay.n_pieces]
-        self.crcs = views["crcs"]
-        self.undo_header = views["undo"]
-        n_scalars = len(lay.params) * len(lay.scalar_kinds)
-        self.scalars = views["scalars"].view(torch.float32)[:n_scalars].view(len(lay.params), len(lay.scalar_kinds))
-        self.flags = views["flags"]
-        self.record = ProgressRecord(meta[8 * offset : 8 * offset + 2 * cfg.record_bytes],
+        self.steps = primary["steps"].view(torch.float32)[: lay.n_pieces]
+        self.crcs = primary["crcs"]
+        n_params, n_kinds = len(lay.params), len(lay.scalar_kinds)
+        self.scalars = primary["scalars"].view(torch.float32)[: n_params * n_kinds].view(n_params, n_kinds)
+        self.flags = primary["flags"]
+        self.sums = primary["sums"]  # checksum words: one per chunk, the gradients', the scalar state's
+        self.mirror = mirror  # versions, steps, crcs, scalars, flags, sums: the second copy
+        self.undo_copies = (areas["undo0"]["words"], areas["undo1"]["words"])
+        self.record = ProgressRecord(meta[offset : offset + 2 * cfg.record_bytes],
                                      on_half_written=lambda: point("record.half_written"))
 
     def page(self, p: int) -> torch.Tensor:
@@ -274,7 +281,9 @@ def _create_or_attach(name: str, nbytes: int) -> SharedSegment:
     except FileExistsError:
         seg = SharedSegment.attach(name)
         if seg.nbytes != nbytes:
-            raise ConfigurationError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B (layouts differ?)")
+            seg.close()
+            raise ConfigurationError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B: the node's "
+                                     "ranks must share one layout (same model, optimizer and RetainedConfig)")
         return seg
 
 
@@ -303,3 +312,12 @@ def _open_segment(spec: StoreSpec, what: str):
 
         return CudaSegment.attach(spec.name(what), spec.device_manager)
     return SharedSegment.attach(spec.name(what))
+
+
+def _attach_or_missing(name: str, job_id: str, rank: int) -> SharedSegment:
+    try:
+        return SharedSegment.attach(name)
+    except FileNotFoundError:
+        raise StoreMissingError(
+            f"rank {rank} of job {job_id}: retained segment {name} does not exist (never created: the failure came "
+            "before set-up finished, or already freed). Start from the last checkpoint (or afresh).") from None

@@ -166,6 +166,7 @@ class Session:
             for peer in peers[1:]:
                 peer.close()
         self.barrier()
+        ro.store.mark_complete()  # set-up done (views bound, tier 1 and 2 encoded): recovery may trust it
         self.store.set(keys.STORE_READY.format(job=e.job_id, rank=e.rank), "1")
         return ro
 

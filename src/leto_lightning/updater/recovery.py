@@ -2,16 +2,26 @@
 
 For the ranks of one node (a single rank is a node of one):
 
+0. **Check** that every store is complete (its creator finished set-up) and that every piece of
+   metadata validates in at least one of its two copies, repairing the other
+   (``retained.integrity``); find the chunk in flight from the checksummed undo header.
 1. **Restore** every chunk caught in flight from the undo buffer (old contents, checksums,
    step counters and version), after checking the undo copy against its checksums.
 2. **Repair** damaged pages (checksum mismatches) from tier-1 and tier-2 parity.
-3. **Re-encode** the parity the interrupted transactions may have half-updated.
-4. **Agree** on the resume point: if every rank prepared iteration ``t``, roll forward; if
+3. **Agree** on the resume point: if every rank prepared iteration ``t``, roll forward; if
    some never prepared it, abort ``t`` everywhere (nothing of it can have committed: the
    prepare barrier comes first).
+4. **Verify parity**: re-encode every group whose parity differs from its verified data (a
+   damaged parity page, or parity an interrupted transaction -- or an interrupted earlier
+   recovery -- half-updated).
 5. **Roll forward** the chunks still at version ``t`` with the retained gradients and the
    hyper-parameters recorded at prepare -- the same deterministic math, so the result is
    bit-identical to an update that never failed -- and commit ``t``.
+
+Every step is restartable: recovery itself may be killed anywhere and run again. Nothing it
+relies on (the undo buffer, its header, the records) is changed before what it protects is
+repaired, every write it makes is one a later run redoes or finds already done, and parity is
+verified on every run, so an earlier run's half-written parity is found and rewritten.
 
 A **rollback window** (``RetainedOptimizer(rollback_window=True)``, manual optimization) keeps
 an iteration *open* from its prepare until the trainer seals it at the batch end. If any rank
@@ -19,6 +29,8 @@ of the job is still open at ``t``, every rank rolls ``t`` back instead (``roll_b
 whole-state undo copy of ``t`` is intact on every rank, because no rank can start ``t + 1``'s
 update before every rank prepared ``t + 1``; each resumes from the payload it sealed before
 ``t`` and the trainers redo iteration ``t`` from its start.
+
+Only ``LetoError``s leave ``recover_node``: anything else is reported as a ``RecoveryError``.
 """
 
 from __future__ import annotations
@@ -29,23 +41,15 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..errors import ConfigurationError
-from ..protection.repair import RepairReport, page_ok, repair
+from ..errors import CHECKPOINT_ADVICE, ConfigurationError, LetoError, RecoveryError, UnrecoverableDamageError
+from ..faults.points import point
+from ..protection.repair import RepairReport, page_ok, repair, verify_parity
+from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
 from ..retained.record import read_all
-from ..retained.store import (
-    IDLE,
-    PHASE_NAMES,
-    UNDO_CHUNK,
-    UNDO_CRCS,
-    UNDO_NPAGES,
-    UNDO_NPIECES,
-    UNDO_VERSION,
-    UNDO_WHOLE,
-    RetainedStore,
-)
-from .whole_state import restore_whole
-from ..errors import RecoveryError
+from ..retained.spec import repair_spec
+from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
 from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
+from .whole_state import restore_whole, tail_crc
 
 
 @dataclass
@@ -61,7 +65,8 @@ class RecoveryReport:
     pending_step: bool = False  # generic optimizer: the trainer finishes the prepared step on bind
     payload: object = None
     repair: RepairReport | None = None
-    reencoded_tier1: list[int] = field(default_factory=list)
+    metadata_repaired: list[str] = field(default_factory=list)  # metadata copies rewritten from the other
+    reencoded_tier1: list[int] = field(default_factory=list)  # groups whose parity was found wrong and rewritten
     reencoded_tier2: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -73,77 +78,70 @@ class RecoveryReport:
         rep = self.repair
         return (
             f"rank {self.rank}: found {self.status_found}({self.iteration_found}); restored {len(self.restored)} "
-            f"in-flight chunk(s); repaired {rep.repaired if rep else 0} page(s); rolled forward "
+            f"in-flight chunk(s); repaired {rep.repaired if rep else 0} page(s), {len(self.metadata_repaired)} "
+            f"metadata item(s), parity of {len(self.reencoded_tier1)} group(s); rolled forward "
             f"{len(self.rolled_forward)} chunk(s);{' rolled back an open iteration;' if self.rolled_back else ''} "
             f"resume at iteration {self.resume_iteration}"
         )
 
 
-def restore_in_flight(store: RetainedStore) -> tuple[list[tuple[int, str]], list[int]]:
-    """Put every in-flight chunk back to its pre-transaction contents; returns them and their pages."""
-    restored, touched = [], []
-    if store.in_flight() and int(store.undo_header[UNDO_CHUNK]) == UNDO_WHOLE:
-        return [(-1, "whole-state")], restore_whole_checked(store, "the whole-state transaction")
-    for chunk in store.in_flight():
-        phase = PHASE_NAMES[int(store.chunk_table[chunk, 1])]
-        head = store.undo_header
-        if int(head[UNDO_CHUNK]) != chunk:
-            raise RecoveryError(f"rank {store.spec.rank}: chunk {chunk} is in flight but the undo buffer holds chunk "
-                                f"{int(head[UNDO_CHUNK])}")
-        pages = store.layout.chunk_pages_updated(chunk)
-        n_pages, n_pieces = int(head[UNDO_NPAGES]), int(head[UNDO_NPIECES])
-        if n_pages != len(pages):
-            raise RecoveryError(f"undo header of chunk {chunk} names {n_pages} pages, layout has {len(pages)}")
-        undo = store.undo_view(n_pages)
-        crcs = head[UNDO_CRCS : UNDO_CRCS + n_pages]
-        for i, p in enumerate(pages):
-            store.pages[p].copy_(undo[i])
-        store.crcs[pages] = crcs.clone()
-        bad = [p for p in pages if not page_ok(store, p)]
-        if bad:
-            raise RecoveryError(
-                f"rank {store.spec.rank}: the undo copy of in-flight chunk {chunk} is damaged (pages {bad}); "
-                "its old contents are lost -- resume from the last checkpoint"
-            )
-        first = store.layout.chunk_first_piece[chunk]
-        old_steps = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(torch.float64)
-        store.steps[first : first + n_pieces] = old_steps.float()
-        store.chunk_table[chunk, 0] = int(head[UNDO_VERSION])
-        store.chunk_table[chunk, 1] = IDLE
-        restored.append((chunk, phase))
-        touched.extend(pages)
-    return restored, touched
+def check_store(store: RetainedStore) -> tuple[Metadata, MetaVerdict]:
+    """Completion mark, spec copies and metadata of one store; raises what cannot be repaired."""
+    store.require_complete()
+    if store.spec_findings:
+        repair_spec(store.segments["spec"].tensor, store.spec)
+    meta = Metadata(store)
+    verdict = check_metadata(meta, UNDO_WHOLE)
+    verdict.repaired[:0] = [f + " (rewritten)" for f in store.spec_findings]
+    if verdict.lost:
+        raise UnrecoverableDamageError({}, [f"rank {store.spec.rank}: {what}." for what in verdict.lost])
+    return meta, verdict
 
 
-def restore_whole_checked(store: RetainedStore, what: str) -> list[int]:
-    """``restore_whole``, then every restored page checked against its restored checksum: a
-    damaged undo copy is refused, never resumed from. Returns the pages."""
-    pages = restore_whole(store)
+def restore_in_flight(store: RetainedStore, meta: Metadata, verdict: MetaVerdict) -> tuple[list[tuple[int, str]], list[int]]:
+    """Put the chunk in flight back to its pre-transaction contents; returns it and its pages."""
+    if not verdict.in_flight:
+        return [], []
+    chunk, version, n_pages, n_pieces = header_fields(verdict.header)
+    if chunk == UNDO_WHOLE:
+        return [(-1, "whole-state")], restore_whole_checked(store, meta, verdict.header, "the whole-state transaction")
+    phase = PHASE_NAMES[int(store.chunk_table[chunk, 1])] if 0 <= int(store.chunk_table[chunk, 1]) < 6 else "unknown"
+    pages = store.layout.chunk_pages_updated(chunk)
+    first, pieces = store.layout.chunk_first_piece[chunk], len(store.layout.chunk_pieces[chunk])
+    if n_pages != len(pages) or n_pieces != pieces:
+        raise RecoveryError(f"rank {store.spec.rank}: the undo header of chunk {chunk} names {n_pages} pages and "
+                            f"{n_pieces} pieces, the layout has {len(pages)} and {pieces}. {CHECKPOINT_ADVICE}")
+    head = torch.from_numpy(verdict.header)
+    undo = store.undo_view(n_pages)
+    for i, p in enumerate(pages):
+        store.pages[p].copy_(undo[i])
+    store.crcs[pages] = head[UNDO_CRCS : UNDO_CRCS + n_pages].clone()
     bad = [p for p in pages if not page_ok(store, p)]
     if bad:
-        raise RecoveryError(f"rank {store.spec.rank}: the undo copy of {what} is damaged (pages {bad[:10]}); "
-                            "resume from the last checkpoint")
+        raise UnrecoverableDamageError({}, [
+            f"rank {store.spec.rank}: segment {store.spec.name('undo')}: the undo copy of in-flight chunk {chunk} is "
+            f"damaged (its copies of pages {bad} fail their checksums), so the chunk's old contents are lost."])
+    store.steps[first : first + n_pieces] = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(torch.float64).float()
+    store.chunk_table[chunk, 0] = version
+    meta.seal_chunk(chunk)
+    store.chunk_table[chunk, 1] = IDLE
+    meta.mirror_chunk(chunk)
+    return [(chunk, phase)], pages
+
+
+def restore_whole_checked(store: RetainedStore, meta: Metadata, header, what: str) -> list[int]:
+    """``restore_whole`` after checking the undo tail, then every restored page checked against
+    its restored checksum: a damaged undo copy is refused, never resumed from. Returns the pages."""
+    if tail_crc(store) != int(header[-1]):
+        raise UnrecoverableDamageError({}, [f"rank {store.spec.rank}: segment {store.spec.name('undo')}: the backups "
+                                            f"of checksums and step counters of {what} fail their checksum."])
+    pages = restore_whole(store, int(header[1]))
+    bad = [p for p in pages if not page_ok(store, p)]
+    if bad:
+        raise UnrecoverableDamageError({}, [f"rank {store.spec.rank}: segment {store.spec.name('undo')}: the undo "
+                                            f"copy of {what} is damaged (pages {bad[:10]})."])
+    meta.seal_all()
     return pages
-
-
-def reencode(stores: Mapping[int, RetainedStore], codes: ParityCodes, touched: Mapping[int, list[int]]) -> tuple[list, list]:
-    """Recompute the parity that covers ``touched`` pages (local rank -> pages)."""
-    groups1, stripes = [], set()
-    for r, pages in touched.items():
-        store = stores[r]
-        plan = store.spec.tier1
-        if codes.tier1 is not None:
-            for g in plan.groups_of(pages):
-                codes.tier1.encode([store.pages[p] for p in plan.groups[g]], list(store.parity1[g]))
-                groups1.append((r, g))
-        stripes.update(int(store.spec.tier2.page_stripe[p]) for p in pages)
-    stripes.discard(-1)
-    if codes.tier2 is not None and stripes and len(stores) == codes.tier2.k:
-        any_store = next(iter(stores.values()))
-        page_of = {int(s): p for p, s in enumerate(any_store.spec.tier2.page_stripe) if s >= 0}
-        for s in sorted(stripes):
-            codes.tier2.encode([stores[r].pages[page_of[s]] for r in sorted(stores)], list(any_store.parity2[s]))
-    return groups1, sorted(stripes)
 
 
 def latest(store: RetainedStore) -> dict | None:
@@ -173,50 +171,83 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     decision (``local_agreement``: target iteration, whether every rank of the job prepared or
     committed it, an open iteration to roll back); a multi-node agent exchanges the summaries
     through the job's store before anything rolls forward or back.
+
+    Raises only ``LetoError``s: ``IncompleteStoreError`` (a store never finished set-up),
+    ``UnrecoverableDamageError`` (damage beyond copies and parity), ``RecoveryError``; each
+    means "resume from the last checkpoint".
     """
     if not stores:
-        raise ConfigurationError("recover_node needs at least one store")
+        raise ConfigurationError("recover_node needs at least one store: {local rank: RetainedStore.attach(job, rank)}")
+    try:
+        return _recover_node(stores, codes, agree)
+    except LetoError:
+        raise
+    except Exception as exc:  # a bug or an unforeseen state: never let it pass as something else
+        raise RecoveryError(f"recovery of ranks {[s.spec.rank for s in stores.values()]} failed unexpectedly "
+                            f"({type(exc).__name__}: {exc}). {CHECKPOINT_ADVICE}") from exc
+
+
+def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None, agree) -> dict[int, RecoveryReport]:
+    checked = {r: check_store(s) for r, s in stores.items()}
     codes = codes or ParityCodes(next(iter(stores.values())))
-    reports = {r: RecoveryReport(rank=s.spec.rank) for r, s in stores.items()}
-    touched: dict[int, list[int]] = {}
+    reports = {r: RecoveryReport(rank=s.spec.rank, metadata_repaired=checked[r][1].repaired) for r, s in stores.items()}
     t0 = time.perf_counter()
     for r, store in stores.items():
-        reports[r].restored, touched[r] = restore_in_flight(store)
+        reports[r].restored = restore_in_flight(store, *checked[r])[0]
+    point("recovery.restored")
     t1 = time.perf_counter()
-    records = {r: latest(s) for r, s in stores.items()}
+    records = {r: _latest_checked(s) for r, s in stores.items()}
     for r, rec in records.items():
-        reports[r].status_found = rec and rec["status"]
-        reports[r].iteration_found = rec and rec["iteration"]
-    # Gradients matter only where a prepared step will be rolled forward with them.
-    include_grads = {r for r, rec in records.items() if rec and rec["status"] == PREPARED and not rec.get("open")}
+        reports[r].status_found, reports[r].iteration_found = rec["status"], rec["iteration"]
+    include_grads = {r for r, rec in records.items() if _needs_grads(stores[r], rec)}
+    lost_grads = [r for r in include_grads if not checked[r][1].grads_known]
+    if lost_grads:
+        raise UnrecoverableDamageError({}, [f"rank {stores[r].spec.rank}: segment {stores[r].spec.name('meta')}: the "
+                                            "gradients' checksums (both copies) are damaged and the prepared step "
+                                            "needs the gradients to roll forward." for r in lost_grads])
     rep = repair(stores, codes.tier1, codes.tier2, include_grads)
+    point("recovery.repaired")
     t2 = time.perf_counter()
-    groups1, stripes = reencode(stores, codes, touched)
+    target, everyone, rollback = agree({stores[r].spec.rank: _summary(records[r]) for r in stores})
+    if rollback is not None:
+        for r, store in stores.items():
+            roll_back(store, rollback, reports[r])
+    groups1, stripes = verify_parity(stores, codes.tier1, codes.tier2, include_grads)
+    point("recovery.parity_verified")
     t3 = time.perf_counter()
-    summary = {stores[r].spec.rank: _summary(records[r]) for r in stores}
-    target, everyone, rollback = agree(summary)
     if rollback is None:
         decide_and_roll_forward(stores, records, reports, codes, target, everyone)
-    else:
-        undone = {r: roll_back(store, rollback, reports[r]) for r, store in stores.items()}
-        more1, more2 = reencode(stores, codes, undone)
-        groups1, stripes = groups1 + more1, sorted(set(stripes) | set(more2))
     t4 = time.perf_counter()
     for r, report in reports.items():
         report.repair = rep
-        report.reencoded_tier1 = [g for (q, g) in groups1 if q == r]
+        report.reencoded_tier1 = groups1.get(r, [])
         report.reencoded_tier2 = stripes
         report.seconds = {"restore": t1 - t0, "verify_repair": t2 - t1, "reencode": t3 - t2, "roll_forward": t4 - t3}
     return reports
+
+
+def _latest_checked(store: RetainedStore) -> dict:
+    """The newest intact progress record; a complete store always has one (set-up writes it)."""
+    rec = latest(store)
+    if rec is None:
+        raise UnrecoverableDamageError({}, [f"rank {store.spec.rank}: segment {store.spec.name('meta')}: both "
+                                            "progress-record slots fail their checksums."])
+    return rec
+
+
+def _needs_grads(store: RetainedStore, rec: dict) -> bool:
+    """A prepared step still to be rolled forward (some chunk not yet at its new version) needs
+    the retained gradients; once every chunk committed -- or the next iteration already began
+    and is rewriting them -- it does not, and damage there is no reason to give up."""
+    if rec["status"] != PREPARED or rec.get("open"):
+        return False
+    return bool((store.versions() == rec["iteration"]).any())
 
 
 def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target: int | None,
                             everyone_reached: bool) -> None:
     for r, store in stores.items():
         rec, report = records[r], reports[r]
-        if rec is None:
-            _check_versions(store, 0)
-            continue
         if (rec["status"] == PREPARED and everyone_reached and store.layout.family == "generic"
                 and not bool((store.versions() == rec["iteration"] + 1).all())):
             report.pending_step = True  # needs the optimizer object: RetainedOptimizer.bind(adopt=True)
@@ -248,12 +279,14 @@ def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]
     before = _payload_before(store, entries, t)
     pages: list[int] = []
     if bool((store.versions() == t + 1).all()):
-        head = store.undo_header
-        if int(head[UNDO_CHUNK]) != UNDO_WHOLE or int(head[UNDO_VERSION]) != t:
+        meta = Metadata(store)
+        head = meta.read_header()
+        chunk, version = header_fields(head)[:2] if head is not None else (None, None)
+        if chunk != UNDO_WHOLE or version != t:
             raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be rolled back but the undo buffer holds "
-                                f"{'chunk ' + str(int(head[UNDO_CHUNK])) if int(head[UNDO_CHUNK]) != UNDO_WHOLE else 'the whole state'}"
-                                f" of iteration {int(head[UNDO_VERSION])}; resume from the last checkpoint")
-        pages = restore_whole_checked(store, f"open iteration {t}")
+                                f"{'the whole state' if chunk == UNDO_WHOLE else f'chunk {chunk}'} of iteration "
+                                f"{version}. {CHECKPOINT_ADVICE}")
+        pages = restore_whole_checked(store, meta, head, f"open iteration {t}")
     _check_versions(store, t)
     store.record.write({"status": COMMITTED, "iteration": t - 1, "payload": before})
     report.rolled_back = True
@@ -303,5 +336,6 @@ def _check_versions(store: RetainedStore, expected: int) -> None:
     if wrong:
         raise RecoveryError(
             f"rank {store.spec.rank}: chunks {wrong[:10]} are at versions "
-            f"{sorted(set(int(versions[c]) for c in wrong))}, expected {expected} everywhere"
+            f"{sorted(set(int(versions[c]) for c in wrong))}, expected {expected} everywhere (the progress record and "
+            f"the commit marks disagree). {CHECKPOINT_ADVICE}"
         )

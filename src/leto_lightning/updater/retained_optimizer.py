@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import ConfigurationError, UsageError
+from ..errors import ConfigurationError, UnrecoverableDamageError, UsageError
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
@@ -125,6 +125,8 @@ class RetainedOptimizer:
         try:
             ro = cls(optimizer, store, **kwargs)
             ro.bind(adopt=False)
+            if not spec.tier2.enabled:  # else: complete once the node's tier 2 is encoded (encode_tier2)
+                store.mark_complete()
         except BaseException:
             store.unlink()  # nothing else will ever attach to it
             store.close()
@@ -143,6 +145,10 @@ class RetainedOptimizer:
         a checkpoint; recorded as committed ``iteration - 1`` with ``payload``.
         """
         store, lay = self.store, self.layout
+        if adopt:
+            store.require_complete()  # a half-initialised store holds nothing to adopt
+        else:
+            store.clear_complete()  # being initialised: incomplete until its creator marks it again
         for slot, p in zip(lay.params, self.params):
             if tuple(p.shape) != slot.shape:
                 raise ConfigurationError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
@@ -163,8 +169,8 @@ class RetainedOptimizer:
         if lay.family == "generic":
             self._bind_generic(adopt)
         if not adopt:
-            encode_all(store, self.txn.codes)
             store.chunk_table[:, 0] = iteration
+            encode_all(store, self.txn.codes)
             self.txn.commit(iteration - 1, payload)  # never open: open_records is set by step()
             self.iteration = iteration
             self.boundary_payload = payload
@@ -206,8 +212,8 @@ class RetainedOptimizer:
             self._bind_generic(adopt=True)
         rec = self.store.record.read()
         if rec is None:
-            self.iteration = 0
-            return None
+            raise UnrecoverableDamageError({}, [f"rank {self.store.spec.rank}: segment {self.store.spec.name('meta')}: "
+                                                "no intact progress record (both slots fail their checksums)."])
         payload = rec.payload
         if payload["status"] == PREPARED and self.layout.family == "generic":
             self.txn.update_chunks(payload["iteration"], payload["hparams"], payload["skip_params"])
@@ -291,20 +297,26 @@ class RetainedOptimizer:
 
 
 def encode_all(store: RetainedStore, codes: ParityCodes) -> None:
-    """Checksum every page and encode all parity from scratch (a new store)."""
+    """Checksum every page, encode all tier-1 parity from scratch and checksum and mirror all
+    metadata (a new store). Withdraws the completion mark: the creator writes it again once
+    tier 2 is encoded too (``RetainedStore.mark_complete``)."""
     from ..protection.checksum import checksum
+    from ..retained.integrity import Metadata
     from .transaction import to_i64
 
+    store.clear_complete()
     for p in range(store.layout.n_pages):
         store.crcs[p] = to_i64(checksum(store.pages[p]))
     plan = store.spec.tier1
     if codes.tier1 is not None:
         for g, pages in enumerate(plan.groups):
             codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
+    Metadata(store).seal_all()
 
 
 def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
-    """Encode the node's tier-2 stripes from every local rank's pages (after all are bound)."""
+    """Encode the node's tier-2 stripes from every local rank's pages (after all are bound).
+    The last step of set-up: each rank then calls ``store.mark_complete()``."""
     if codes.tier2 is None:
         return
     first = stores[0]

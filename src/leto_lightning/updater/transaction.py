@@ -28,6 +28,7 @@ from ..errors import RecoveryError
 from ..faults.points import point
 from ..protection.checksum import checksum
 from ..protection.codec import ReedSolomonCode
+from ..retained.integrity import Metadata
 from ..retained.layout import GRAD
 from ..retained.store import (
     CHECKSUMMED,
@@ -35,12 +36,8 @@ from ..retained.store import (
     MATH_DONE,
     TIER1_DONE,
     TIER2_DONE,
-    UNDO_CHUNK,
     UNDO_CRCS,
-    UNDO_NPAGES,
-    UNDO_NPIECES,
     UNDO_SAVED,
-    UNDO_VERSION,
     RetainedStore,
 )
 from .chunk_math import ChunkPieces, apply_update
@@ -87,7 +84,8 @@ class ChunkTransactions:
         self._table = store.chunk_table.numpy()
         self._crcs = store.crcs.numpy()
         self._steps = store.steps.numpy()
-        self._head = store.undo_header.numpy()
+        self.meta = Metadata(store)
+        self._head = np.zeros(store.spec.undo_header_words, dtype=np.int64)  # the next undo header, built here
         self._plans: dict[int, ChunkPlan] = {}
         # Rollback window (manual optimization): records of an iteration stay "open" until the
         # caller seals it; recovery rolls an open iteration back instead of forward.
@@ -151,6 +149,7 @@ class ChunkTransactions:
             r = lay.region(seg.index, GRAD)
             for p in range(r.first_page, r.first_page + r.n_pages):
                 store.crcs[p] = to_i64(checksum(store.pages[p]))
+        self.meta.seal_grads()
         if self.codes.tier1 is not None and store.config.protect_grads:
             plan = store.spec.tier1
             for g in plan.grad_groups():
@@ -187,8 +186,10 @@ class ChunkTransactions:
         table[chunk, 1] = CHECKSUMMED
         point("chunk.checksummed", chunk=chunk)
         table[chunk, 0] = iteration + 1
+        self.meta.seal_chunk(chunk)  # the commit point: the chunk's checksummed metadata at t + 1
         table[chunk, 1] = IDLE
         point("chunk.committed", chunk=chunk)
+        self.meta.mirror_chunk(chunk)
 
     def _plan(self, chunk: int) -> "ChunkPlan":
         plan = self._plans.get(chunk)
@@ -203,12 +204,12 @@ class ChunkTransactions:
         settle(plan.undo_pages[0] if plan.undo_pages else store.undo)
         n_pages, n_pieces, first = len(plan.pages), plan.n_pieces, plan.first_piece
         head = self._head
+        head[:] = 0
+        head[:UNDO_CRCS] = (plan.chunk, iteration, n_pages, n_pieces)
         head[UNDO_CRCS : UNDO_CRCS + n_pages] = self._crcs[plan.pages]
         head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(np.float64)[:] = self._steps[first : first + n_pieces]
-        head[UNDO_NPAGES] = n_pages
-        head[UNDO_NPIECES] = n_pieces
-        head[UNDO_VERSION] = iteration
-        head[UNDO_CHUNK] = plan.chunk  # written last: the header names a chunk only once complete
+        point("chunk.undo_pages_copied", chunk=plan.chunk)
+        self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
     def _tier1_delta(self, plan: "ChunkPlan") -> None:
         code = self.codes.tier1

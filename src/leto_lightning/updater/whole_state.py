@@ -28,14 +28,12 @@ from ..retained.store import (
     MATH_DONE,
     TIER1_DONE,
     TIER2_DONE,
-    UNDO_CHUNK,
-    UNDO_NPAGES,
-    UNDO_NPIECES,
+    UNDO_CRCS,
     UNDO_SAVED,
-    UNDO_VERSION,
     UNDO_WHOLE,
     RetainedStore,
 )
+from ..retained.spec import words_crc
 from .transaction import ChunkTransactions, ParityCodes, settle, to_i64
 from ..protection.checksum import checksum
 
@@ -109,6 +107,7 @@ class WholeStateTransactions(ChunkTransactions):
         store.chunk_table[:, 1] = CHECKSUMMED
         point("whole.checksummed", iteration=iteration)
         store.chunk_table[:, 0] = iteration + 1
+        self.meta.seal_all()  # the scalar state, then every chunk's sum: the last one commits
         store.chunk_table[:, 1] = IDLE
         point("whole.committed", iteration=iteration)
 
@@ -157,11 +156,11 @@ class WholeStateTransactions(ChunkTransactions):
         tail["scalars"].copy_(store.scalars.flatten())
         tail["flags"].copy_(store.flags)
         settle(undo)
-        head = store.undo_header
-        head[UNDO_NPAGES] = len(pages)
-        head[UNDO_NPIECES] = lay.n_pieces
-        head[UNDO_VERSION] = iteration
-        head[UNDO_CHUNK] = UNDO_WHOLE
+        head = self._head
+        head[:] = 0
+        head[:UNDO_CRCS] = (UNDO_WHOLE, iteration, len(pages), lay.n_pieces)
+        head[-1] = tail_crc(store)  # the backups in the undo tail are checked before a restore uses them
+        self.meta.write_header(head)
 
 
 def whole_undo_tail(store: RetainedStore) -> dict[str, torch.Tensor]:
@@ -178,8 +177,15 @@ def whole_undo_tail(store: RetainedStore) -> dict[str, torch.Tensor]:
     }
 
 
-def restore_whole(store: RetainedStore) -> list[int]:
-    """Put back everything a whole-state transaction may have touched; returns the pages."""
+def tail_crc(store: RetainedStore) -> int:
+    """Checksum of the undo tail's backups (read back to the host: the tail is on the device with "cuda")."""
+    tail = {k: v.cpu().numpy() for k, v in whole_undo_tail(store).items()}
+    return words_crc(UNDO_WHOLE, tail["crcs"], tail["steps"], tail["scalars"], tail["flags"])
+
+
+def restore_whole(store: RetainedStore, version: int) -> list[int]:
+    """Put back everything a whole-state transaction at ``version`` may have touched (the header
+    was checked by the caller, the tail is checked here); returns the pages."""
     lay = store.layout
     pages = list(lay.update_pages)
     undo = store.undo_view(len(pages))
@@ -190,7 +196,7 @@ def restore_whole(store: RetainedStore) -> list[int]:
     store.steps.copy_(tail["steps"].float())
     store.scalars.copy_(tail["scalars"].float().view_as(store.scalars))
     store.flags.copy_(tail["flags"])  # e.g. "state adopted" set by the step being undone
-    store.chunk_table[:, 0] = int(store.undo_header[UNDO_VERSION])
+    store.chunk_table[:, 0] = version
     store.chunk_table[:, 1] = IDLE
     return pages
 

@@ -190,6 +190,7 @@ class LetoStrategy(DDPStrategy):
             # rank's own initial weights it replaced.
             encode_all(ro.store, ro.txn.codes)
             self._encode_node_parity(ro.store)
+            ro.store.mark_complete()  # set-up done: recovery may trust the store from here on
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
 
