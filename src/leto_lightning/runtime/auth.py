@@ -1,0 +1,117 @@
+"""Where a job's control-plane secret comes from (docs/security.md).
+
+- A single-node job makes a fresh random secret per launch; its trainers get it through
+  ``LETO_AUTH_KEY``, set in their environment only (``/proc/<pid>/environ`` is readable by the
+  owner alone).
+- A multi-node job (several ``leto launch`` agents, or the per-rank agents of torchrun/srun)
+  needs the same secret on every node. Given with ``--secret-file PATH`` (or ``LETO_SECRET_FILE``;
+  the file must be readable by its owner only) or ``LETO_SECRET`` (at least 16 characters, e.g.
+  ``openssl rand -hex 32``), fresh per job. Without either, node 0's agent writes a fresh one to
+  ``RUN_DIR/job.secret`` (0600) and the others read it there: that needs the run dir on a
+  filesystem every node sees (always true for the ranks of one machine).
+- Node 0 publishes the secret's fingerprint (an HMAC of a constant: it reveals nothing); a node
+  whose secret does not match waits for a matching one and, at the start-up timeout, stops with
+  an error that says which secret to give.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import time
+
+from ..errors import ConfigurationError, LetoTimeoutError
+
+SECRET_ENV = "LETO_SECRET"
+SECRET_FILE_ENV = "LETO_SECRET_FILE"
+CHILD_ENV = "LETO_AUTH_KEY"  # what the agent gives its trainers (hex)
+SECRET_FILE = "job.secret"
+FINGERPRINT_KEY = "auth/fingerprint"
+MIN_SECRET = 16
+
+
+def fingerprint(secret: bytes) -> str:
+    return hmac.new(secret, b"leto job secret fingerprint", hashlib.sha256).hexdigest()[:32]
+
+
+def user_secret(secret_file: str | None, env=os.environ) -> bytes | None:
+    """The secret the user gave (``--secret-file``, ``LETO_SECRET_FILE``, ``LETO_SECRET``), else None."""
+    path = secret_file or env.get(SECRET_FILE_ENV)
+    if path:
+        return read_secret_file(path)
+    text = env.get(SECRET_ENV)
+    if text is None:
+        return None
+    if len(text) < MIN_SECRET:
+        raise ConfigurationError(f"{SECRET_ENV} has {len(text)} characters: give at least {MIN_SECRET} random ones "
+                                 "(e.g. `export LETO_SECRET=$(openssl rand -hex 32)`)")
+    return text.encode()
+
+
+def read_secret_file(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigurationError(f"secret file {path!r}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigurationError(f"secret file {path!r} must belong to you and be readable by you alone: "
+                                     f"`chmod 600 {path}`")
+        secret = f.read().strip()
+    if len(secret) < MIN_SECRET:
+        raise ConfigurationError(f"secret file {path!r} holds {len(secret)} bytes: give at least {MIN_SECRET}")
+    return secret
+
+
+def write_secret_file(run_dir: str, secret: bytes) -> str:
+    """``RUN_DIR/job.secret`` (0600), replaced atomically (a reader never sees half of it)."""
+    path = os.path.join(run_dir, SECRET_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def job_secret(store, node_rank: int, nnodes: int, run_dir: str, secret_file: str | None, timeout: float,
+               check_stop=lambda: None) -> bytes:
+    """This agent's secret for the job (module doc); ``store`` is the raw (unsigned) store."""
+    given = user_secret(secret_file)
+    if nnodes == 1:
+        return given or secrets.token_hex(32).encode()
+    if node_rank == 0:
+        secret = given or secrets.token_hex(32).encode()
+        if given is None:
+            write_secret_file(run_dir, secret)
+        store.set(FINGERPRINT_KEY, fingerprint(secret))
+        return secret
+    deadline = time.monotonic() + timeout
+    while True:
+        check_stop()
+        if store.check([FINGERPRINT_KEY]):
+            wanted = store.get(FINGERPRINT_KEY).decode(errors="replace")
+            secret = given if given is not None else _shared_file_secret(run_dir)
+            if secret is not None and hmac.compare_digest(fingerprint(secret), wanted):
+                return secret
+        if time.monotonic() > deadline:
+            how = ("its LETO_SECRET / --secret-file differs from node 0's" if given is not None else
+                   f"no matching {SECRET_FILE} in {run_dir} (node 0 writes it there)")
+            raise LetoTimeoutError(
+                f"node {node_rank} did not get the job's secret within {timeout:.0f} s: {how}. Give every node's "
+                f"`leto launch` the same fresh secret ({SECRET_ENV} or --secret-file), or a run dir on a filesystem "
+                "all nodes share")
+        time.sleep(0.1)
+
+
+def _shared_file_secret(run_dir: str) -> bytes | None:
+    try:
+        return read_secret_file(os.path.join(run_dir, SECRET_FILE))
+    except ConfigurationError:
+        return None
