@@ -44,6 +44,18 @@ class PointRecorder:
         self.points.append(KillPoint(name, self._counts[name]))
 
 
+@dataclass(frozen=True)
+class KillAfter:
+    """Kill ``seconds`` after the child first reaches point ``start`` (a kill at a random *time*,
+    not at a named point: ``seconds`` drawn by the caller, e.g. uniform over a measured step)."""
+
+    start: str
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.start}+{self.seconds * 1e3:.2f}ms"
+
+
 @dataclass
 class ChildResult:
     killed: bool  # True: the child reached the kill point and got SIGKILL
@@ -52,8 +64,10 @@ class ChildResult:
     value: object = None  # what the function returned (when it finished)
 
 
-def run_in_child(fn: Callable[[], object], kill_at: KillPoint | None = None, timeout: float = 120.0) -> ChildResult:
-    """Run ``fn`` in a forked child; SIGKILL it at ``kill_at``. Returns once the child is reaped."""
+def run_in_child(fn: Callable[[], object], kill_at: KillPoint | KillAfter | None = None,
+                 timeout: float = 120.0) -> ChildResult:
+    """Run ``fn`` in a forked child; SIGKILL it at ``kill_at`` (a point, or a delay after one).
+    Returns once the child is reaped."""
     report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -62,6 +76,8 @@ def run_in_child(fn: Callable[[], object], kill_at: KillPoint | None = None, tim
     os.close(report_w)
     try:
         message = _read_until_exit(report_r, pid, timeout)
+        if message == b"S":  # KillAfter: the clock starts now; kill unless it finishes first
+            message = _read_until_exit(report_r, pid, kill_at.seconds, on_timeout=b"K")
         killed = message == b"K"
         if killed:
             os.kill(pid, signal.SIGKILL)
@@ -94,7 +110,9 @@ def _child_main(fn: Callable[[], object], kill_at: KillPoint | None, report_w: i
         import torch
 
         torch.set_num_threads(1)
-        if kill_at is not None:
+        if isinstance(kill_at, KillAfter):
+            set_hook(_StartHook(kill_at.start, report_w))
+        elif kill_at is not None:
             set_hook(_KillHook(kill_at, report_w))
         value = fn()
         os.write(report_w, b"V" + pickle.dumps(value))
@@ -123,18 +141,32 @@ class _KillHook:
                 time.sleep(60)
 
 
-def _read_until_exit(fd: int, pid: int, timeout: float) -> bytes:
+class _StartHook:
+    """Tells the parent once when ``start`` is reached, then lets the child run on."""
+
+    def __init__(self, start: str, report_w: int) -> None:
+        self.start, self.report_w, self.sent = start, report_w, False
+
+    def __call__(self, name: str, context: dict) -> None:
+        if name == self.start and not self.sent:
+            self.sent = True
+            os.write(self.report_w, b"S")
+
+
+def _read_until_exit(fd: int, pid: int, timeout: float, on_timeout: bytes | None = None) -> bytes:
     chunks, deadline = [], time.monotonic() + timeout
     while True:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
+            if on_timeout is not None:
+                return on_timeout
             raise LetoTimeoutError(f"child {pid} neither finished nor reached its kill point in {timeout} s")
         data = os.read(fd, 1 << 20)
         if not data:
             return b"".join(chunks)
         chunks.append(data)
-        if chunks[0][:1] == b"K":
-            return b"K"
+        if chunks[0][:1] in (b"K", b"S"):
+            return chunks[0][:1]
 
 
 def _kill_and_reap(pid: int) -> None:

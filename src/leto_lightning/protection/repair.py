@@ -21,6 +21,7 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
+from ..faults.points import point
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
 from .checksum import checksum
@@ -172,6 +173,7 @@ def verify_parity(stores: Mapping[int, RetainedStore], tier1: ReedSolomonCode | 
             if tier1.verify(data, parity):
                 tier1.encode(data, parity)
                 groups.setdefault(r, []).append(g)
+                point("recovery.parity_partial", group=g)
     stripes: list[int] = []
     first = next(iter(stores.values()))
     if tier2 is not None and first.spec.tier2.enabled and len(stores) == first.spec.tier2.n_devices:

@@ -2,16 +2,16 @@
 how it is kept in the ``spec`` segment.
 
 The spec is stored as plain JSON (never a pickle), twice, each copy behind a header with its
-length and a CRC-64; a reader takes the first copy that validates. In front of the two copies
-sit two copies of the **completion mark**: "this store is completely initialised and
+length and a CRC-64; a reader takes the first copy that validates. In front of each copy sits
+one copy of the **completion mark**: "this store is completely initialised and
 protected". It is written last, once every segment exists, the views are bound and all parity
 (tier 2 included) is encoded, and it carries the CRC of the spec it belongs to. A store without
 a valid mark was left half-initialised (its creator died during set-up) and recovery refuses it
 (``IncompleteStoreError``).
 
-Segment layout (``SPEC_HEADER`` bytes of marks, then two equal spec slots)::
+Segment layout: two equal, page-aligned slots, so one overwritten page never hits both copies::
 
-    mark 0 (4 words) | mark 1 (4 words) | ... | slot 0: magic, length, crc, json | slot 1: same
+    slot 0: mark 0 (4 words) ... | magic, length, crc, json (at ``SLOT_JSON``) | slot 1: the same
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .config import RetainedConfig
 from .layout import ParamSlot, Region, Segment, StoreLayout
 from .shm import segment_name
 
-SPEC_HEADER = 4096  # the marks' area: one page, so a torn or overwritten spec slot never hits a mark
+SLOT_JSON = 64  # offset of a slot's spec header: the mark sits before it
 _SLOT_MAGIC = 0x4C45544F53504543  # "LETOSPEC"
 _MARK_MAGIC = 0x4C45544F444F4E45  # "LETODONE"
 _SLOT_HEAD = struct.Struct("<QQQ")  # magic, length, crc64 of the JSON
@@ -145,8 +145,8 @@ class StoreSpec:
 
     def spec_bytes(self) -> int:
         """Size of the spec segment: the marks' page and two slots holding the JSON."""
-        slot = _page_round(_SLOT_HEAD.size + len(self.to_json()) + 64)  # + 64: room for a longer manager address
-        return SPEC_HEADER + 2 * slot
+        slot = _page_round(SLOT_JSON + _SLOT_HEAD.size + len(self.to_json()) + 64)  # + 64: a longer manager address
+        return 2 * slot
 
 
 def _page_round(n: int) -> int:
@@ -187,9 +187,12 @@ def _crc64(blob: bytes) -> int:
     return checksum(torch.frombuffer(bytearray(blob), dtype=torch.uint8)) if blob else 0
 
 
-def _slots(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = (buf.numel() - SPEC_HEADER) // 2
-    return buf[SPEC_HEADER : SPEC_HEADER + half], buf[SPEC_HEADER + half : SPEC_HEADER + 2 * half]
+def _slots(buf: torch.Tensor, marks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two slots' spec parts (``marks``: their mark parts)."""
+    half = buf.numel() // 2
+    if marks:
+        return buf[:_MARK.size], buf[half : half + _MARK.size]
+    return buf[SLOT_JSON:half], buf[half + SLOT_JSON : 2 * half]
 
 
 def write_spec(buf: torch.Tensor, spec: StoreSpec) -> None:
@@ -237,8 +240,7 @@ def _mark_words(spec_crc: int, index: int) -> bytes:
 
 def write_marks(buf: torch.Tensor, spec_crc: int | None) -> None:
     """Set (``spec_crc``) or clear (None) both copies of the completion mark."""
-    for index in range(2):
-        view = buf[index * _MARK.size : (index + 1) * _MARK.size]
+    for index, view in enumerate(_slots(buf, marks=True)):
         if spec_crc is None:
             view.zero_()
         else:
@@ -247,8 +249,12 @@ def write_marks(buf: torch.Tensor, spec_crc: int | None) -> None:
 
 def valid_marks(buf: torch.Tensor, spec_crc: int) -> list[int]:
     """Indices of the mark copies that are intact and belong to the spec with ``spec_crc``."""
-    raw = bytes(buf[: 2 * _MARK.size].numpy())
-    return [i for i in range(2) if raw[i * _MARK.size : (i + 1) * _MARK.size] == _mark_words(spec_crc, i)]
+    return [i for i, view in enumerate(_slots(buf, marks=True)) if bytes(view.numpy()) == _mark_words(spec_crc, i)]
+
+
+def any_mark(buf: torch.Tensor) -> bool:
+    """Whether anything was ever written where the marks go (tells "never completed" from damage)."""
+    return any(bool(view.any()) for view in _slots(buf, marks=True))
 
 
 def words_crc(seed: int, *arrays: np.ndarray) -> int:

@@ -43,6 +43,7 @@ from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
     UNDO_NPIECES,
     UNDO_VERSION,
     StoreSpec,
+    any_mark,
     read_spec,
     valid_marks,
     write_marks,
@@ -120,7 +121,7 @@ class RetainedStore:
         try:
             spec, crc, findings = read_spec(spec_seg.tensor, name)
         except ValueError as exc:
-            never_marked = not bool(spec_seg.tensor[:64].any())
+            never_marked = not any_mark(spec_seg.tensor)
             spec_seg.close()
             if never_marked:
                 raise IncompleteStoreError(

@@ -115,6 +115,8 @@ def restore_in_flight(store: RetainedStore, meta: Metadata, verdict: MetaVerdict
     undo = store.undo_view(n_pages)
     for i, p in enumerate(pages):
         store.pages[p].copy_(undo[i])
+        if i == 0:
+            point("recovery.undo_partial", chunk=chunk)
     store.crcs[pages] = head[UNDO_CRCS : UNDO_CRCS + n_pages].clone()
     bad = [p for p in pages if not page_ok(store, p)]
     if bad:
