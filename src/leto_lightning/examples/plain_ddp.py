@@ -21,6 +21,7 @@ import leto_lightning.runtime as leto
 from leto_lightning.models.tiny import TinyLM
 from leto_lightning.models.tiny import rank_batch as batch
 from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.runtime.storage import atomic_torch_save
 
 
 
@@ -65,8 +66,8 @@ def main() -> None:
         if args.checkpoint_every and (it + 1) % args.checkpoint_every == 0:
             session.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(), "iteration": it + 1,
                                      "payload": {"rng": torch.get_rng_state()}})
-    torch.save({"params": [p.detach().clone() for p in model.parameters()], "optimizer": opt.state_dict()},
-               os.path.join(session.env.run_dir, f"final_rank{session.rank}.pt"))
+    atomic_torch_save({"params": [p.detach().clone() for p in model.parameters()], "optimizer": opt.state_dict()},
+                      os.path.join(session.env.run_dir, f"final_rank{session.rank}.pt"))  # never half-written
     train.finish()
 
 

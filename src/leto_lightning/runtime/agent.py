@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,12 +25,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..errors import ConfigurationError, LetoError
 from ..retained.shm import new_job_id, unlink_segments
-from . import keys
+from . import auth, control, keys, rundir, worker_env
 from .classify import Failure
 from .config import RuntimeConfig
 from .events import EventLog
 from .procs import TrainerProcess, process_state, spawn
+from .storage import StorageError
 from .recovery_flow import RecoveryMixin
 
 
@@ -50,14 +54,18 @@ class LaunchSpec:
     trainer_layout: tuple[int, int, int] | None = None
     external_store: bool = False  # connect to a store hosted elsewhere (torchrun's agent store)
     store_prefix: str = ""  # namespace of the job's keys in that store
+    run_dir_mode: int = rundir.DEFAULT_MODE  # the run dir's permissions; files get them without x bits
+    secret_file: str | None = None  # the job's control-plane secret, the same on every node (runtime/auth.py)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ValueError(f"nproc_per_node={self.nproc_per_node} and nnodes={self.nnodes} must be >= 1")
+            raise ConfigurationError(f"nproc_per_node={self.nproc_per_node} and nnodes={self.nnodes} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+            raise ConfigurationError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.external_store and not self.master_port:
-            raise ValueError("an external store needs its --master-port")
+            raise ConfigurationError("an external store needs its --master-port")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigurationError(f"--master-port {self.master_port}: a TCP port is 1..65535 (0: pick a free one)")
         if self.trainer_layout is not None:
             self._check_layout(*self.trainer_layout)
 
@@ -74,6 +82,23 @@ class LaunchSpec:
                 f"{node}: ranks must be laid out node by node (rank = node x local world size + local rank), with "
                 "the same number on every node")
 
+    def preflight(self) -> None:
+        """What can be checked before anything starts: a wrong value fails in a second with its
+        name, instead of after a minute's hang or twenty restarts of a trainer that cannot start."""
+        if not self.script.startswith("-") and not os.path.isfile(self.script):
+            raise ConfigurationError(f"training script {self.script!r} not found: give the path of an existing file")
+        try:
+            socket.getaddrinfo(self.master_addr, None)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise ConfigurationError(f"--master-addr {self.master_addr!r} is not an address or host name this machine "
+                                     f"can resolve ({exc}): give node 0's address, e.g. 127.0.0.1") from None
+        cores, devices = len(os.sched_getaffinity(0)), _device_count()
+        limit = max(devices, MAX_RANKS_PER_CORE * cores)
+        if self.nproc_per_node > limit:
+            raise ConfigurationError(
+                f"--nproc-per-node {self.nproc_per_node}: far more ranks than this machine has ({cores} CPU cores, "
+                f"{devices} GPUs; at most {limit}), each with a shadow trainer -- use one rank per GPU or core")
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
@@ -86,16 +111,38 @@ class LaunchSpec:
         return os.path.join(self.run_dir, "agents", f"rank{self.node_rank}")
 
 
-class JobStopped(Exception):
+MAX_RANKS_PER_CORE = 4  # a CPU job beyond this many ranks (each with a shadow) per core is a typo
+
+
+def _device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class JobStopped(LetoError):
     """The job cannot go on (failure budget, no recovery path); the message says why."""
+
+
+class JobInterrupted(LetoError):
+    """A stop request (SIGINT/SIGTERM to the launcher) won over whatever the agent was doing."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class Agent(RecoveryMixin):
     def __init__(self, spec: LaunchSpec, config: RuntimeConfig | None = None, out=None) -> None:
+        spec.preflight()
         self.spec = spec
         self.config = config or RuntimeConfig()
         self.out = out or sys.stdout
+        # one live job per run dir; 0700 and umask 077 before anything is written there
+        self.run_dir_claim = rundir.claim(spec.run_dir, spec.run_dir_mode, spec.events_dir, spec.node_rank)
         self.events = EventLog(spec.events_dir)
+        if self.run_dir_claim.previous:
+            self.events.emit("run_dir_lock_taken_over", 0, previous=self.run_dir_claim.previous)
         self.generation = 0
         self.shadow_set = ""  # "<generation>-<k>": derived from job-wide events, so equal on all nodes
         self._replacements_seen = 0
@@ -108,8 +155,11 @@ class Agent(RecoveryMixin):
         self._shadows_due = False
         self._heartbeats: dict[int, tuple[bytes, float]] = {}
         self._stop_signal: int | None = None
+        self._stop = threading.Event()  # a stop request: every wait loop of the agent polls it
+        self._startup_failures: set[tuple] = set()  # (exit code, message) of trainers that died before a heartbeat
         self._last_poll = time.time()
         self.store: dist.Store | None = None
+        self.thread_defaults = worker_env.omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
 
     # -- the main loop ---------------------------------------------------------------------
     def run(self) -> int:
@@ -118,6 +168,9 @@ class Agent(RecoveryMixin):
         # The agent's own tensor work (roll-forward, repair) must not fight the trainers for
         # cores: measured 2.8 s vs 0.2 s for one repair on a loaded 2-core machine.
         torch.set_num_threads(1)
+        notice = worker_env.omp_notice(self.thread_defaults)
+        if notice is not None:  # torchrun's notice, once per launch
+            print(notice, file=self.out, flush=True)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_store()
@@ -128,8 +181,12 @@ class Agent(RecoveryMixin):
             self._start_actives(resume="")
             self._start_shadows()
             return self._loop()
-        except JobStopped as exc:
-            self.events.emit("job_stopped", self.generation, reason=str(exc))
+        except JobInterrupted as exc:
+            self.events.try_emit("job_interrupted", self.generation, signal=exc.signum)
+            print(f"[leto] job {exc}: trainers stopped, retained memory freed", file=self.out, flush=True)
+            return 128 + exc.signum
+        except (JobStopped, StorageError) as exc:  # a full run dir: no restart can help
+            self.events.try_emit("job_stopped", self.generation, reason=str(exc))
             print(f"[leto] job stopped: {exc}", file=self.out, flush=True)
             return 3
         finally:
@@ -139,9 +196,7 @@ class Agent(RecoveryMixin):
 
     def _loop(self) -> int:
         while True:
-            if self._stop_signal is not None:
-                self.events.emit("job_interrupted", self.generation, signal=self._stop_signal)
-                return 128 + self._stop_signal
+            self._check_stop()
             self._track_first_iteration()
             finished = self._finished()
             if finished is not None:
@@ -154,8 +209,7 @@ class Agent(RecoveryMixin):
             else:
                 self._watch_shadows()
                 self._publish_shadow_readiness()
-            self._last_poll = time.time()
-            time.sleep(self.config.poll_interval)
+            self._stop.wait(self.config.poll_interval)
 
     def _wait_other_nodes_done(self) -> None:
         """Node 0 hosts the store: it stays up until every node's trainers finished."""
@@ -163,22 +217,50 @@ class Agent(RecoveryMixin):
             return
         self.store.set(f"done/{self.spec.node_rank}", "1")
         if self.spec.node_rank == 0:
-            self.store.wait([f"done/{n}" for n in range(self.spec.nnodes)],
-                            timedelta(seconds=self.config.startup_timeout))
+            self._wait_keys([f"done/{n}" for n in range(self.spec.nnodes)], "every node's trainers to finish")
 
     def _on_signal(self, signum, _frame) -> None:
         self._stop_signal = signum
+        self._stop.set()
+
+    def _check_stop(self) -> None:
+        """A stop request wins over any step of the job (recovery included): called by every wait."""
+        if self._stop.is_set():
+            raise JobInterrupted(self._stop_signal or signal.SIGTERM)
+
+    def _wait_keys(self, names: list[str], what: str) -> None:
+        """Wait (at most the start-up timeout) until the store has ``names``; a stop request ends it."""
+        deadline = time.time() + self.config.startup_timeout
+        while not self.store.check(names):
+            self._check_stop()
+            if time.time() > deadline:
+                raise JobStopped(f"waited {self.config.startup_timeout:.0f} s for {what} (--startup-timeout); "
+                                 "is another node's agent gone?")
+            self._stop.wait(self.config.poll_interval)
 
     # -- processes -------------------------------------------------------------------------
     def _start_store(self) -> None:
         s = self.spec
         if s.nnodes > 1 and not s.master_port:
             raise ValueError("a multi-node job needs --master-port (the same on every node)")
-        store = dist.TCPStore(s.master_addr, s.master_port, world_size=None,
-                              is_master=(s.node_rank == 0 and not s.external_store),
-                              timeout=timedelta(seconds=60), wait_for_workers=False)
+        try:
+            if s.node_rank == 0 and not s.external_store:  # listens on --master-addr only (loopback by default)
+                store, _ = control.host_store(s.master_addr, s.master_port, timedelta(seconds=60))
+            else:
+                store = dist.TCPStore(s.master_addr, s.master_port, world_size=None, is_master=False,
+                                      timeout=timedelta(seconds=60), wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+            raise ConfigurationError(_store_problem(s, exc)) from exc
         self.port = store.port
-        self.store = dist.PrefixStore(s.store_prefix, store) if s.store_prefix else store
+        raw = dist.PrefixStore(s.store_prefix, store) if s.store_prefix else store
+        self.secret = auth.job_secret(raw, s.node_rank, s.nnodes, s.run_dir, s.secret_file,
+                                      self.config.startup_timeout, self._check_stop)
+        self.store = control.SignedStore(raw, self.secret, s.store_prefix, self._message_rejected)
+
+    def _message_rejected(self, key: str, reason: str) -> None:
+        """A control message without the job's secret (or a replay): ignored, and on record."""
+        self.events.emit("control_message_rejected", self.generation, key=key, reason=reason, reader="agent",
+                         pid=os.getpid())
 
     def _shared_job_id(self, mine: str) -> str:
         """Per-rank agents agree on one retained-memory job id per start (first writer wins):
@@ -198,18 +280,18 @@ class Agent(RecoveryMixin):
         s = self.spec
         rank = s.node_rank * s.nproc_per_node + local_rank
         env = dict(os.environ)
+        env.update(self.thread_defaults)
+        # per-rank supervision: the real layout (Lightning computes ranks from it)
+        local, size, node = s.trainer_layout or (local_rank, s.nproc_per_node, s.node_rank)
+        env.update(worker_env.torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self.port))
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(s.world_size),
-            LOCAL_WORLD_SIZE=str(s.nproc_per_node), GROUP_RANK=str(s.node_rank), LETO_NODE_RANK=str(s.node_rank),
-            MASTER_ADDR=s.master_addr, MASTER_PORT=str(self.port), LETO_ROLE=role, LETO_JOB_ID=self.job_id,
+            LETO_NODE_RANK=str(node), LETO_ROLE=role, LETO_JOB_ID=self.job_id,
             LETO_RUN_DIR=os.path.abspath(s.run_dir), LETO_GENERATION=str(generation),
             LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.config.shadow_level), LETO_RESUME=resume,
-            LETO_FAULTS=json.dumps(self._pending_faults()), PYTHONUNBUFFERED="1",
+            LETO_FAULTS=json.dumps(self._pending_faults()),
         )
-        if s.trainer_layout is not None:  # the real layout: Lightning computes ranks from it
-            real_local, real_size, real_node = s.trainer_layout
-            env.update(LOCAL_RANK=str(real_local), LOCAL_WORLD_SIZE=str(real_size), GROUP_RANK=str(real_node),
-                       LETO_NODE_RANK=str(real_node))
+        env[auth.CHILD_ENV] = self.secret.hex()  # the trainers' copy of the job's secret: their environment only
+        env["LETO_EVENTS"] = str(self.events.path.absolute())
         env.pop("LETO_STORE_PREFIX", None)
         if s.store_prefix:
             env["LETO_STORE_PREFIX"] = s.store_prefix
@@ -273,6 +355,7 @@ class Agent(RecoveryMixin):
         for job in self.all_job_ids:
             unlink_segments(job)
         self.events.close()
+        self.run_dir_claim.release()
 
     # -- detection -------------------------------------------------------------------------
     def _finished(self) -> int | None:
@@ -286,7 +369,18 @@ class Agent(RecoveryMixin):
         return self.store.check([keys.FINISHED.format(gen=p.generation, rank=p.rank)])
 
     def _detect(self) -> Failure | None:
+        """One poll of every active trainer. ``_last_poll`` is the last poll that saw nothing
+        wrong: a failure happened after it (the recovery breakdown's ``detect`` starts there)."""
+        self._check_stop()
         now = time.time()
+        failure = self._find_failure(now)
+        if failure is None:
+            self._last_poll = now
+        elif _stop_signal_death(failure):
+            self._await_stop_request(failure)
+        return failure
+
+    def _find_failure(self, now: float) -> Failure | None:
         remote = self._remote_failure()
         if remote is not None:
             return remote
@@ -300,6 +394,13 @@ class Agent(RecoveryMixin):
             # process (state T) first, then the one whose own last heartbeat is oldest
             return self._failure(min(hung, key=lambda p: (not _stopped(p.pid), self._beat_time(p.rank))), hang=True)
         return None
+
+    def _await_stop_request(self, failure: Failure) -> None:
+        """A trainer died of SIGTERM/SIGINT: a scheduler (``timeout``, SLURM) signals the whole
+        process group, and the launcher's own signal may land a moment later. A stop request
+        within the grace period makes it a shutdown, not a failure to recover."""
+        self._stop.wait(STOP_GRACE_S)
+        self._check_stop()
 
     def _beat_time(self, rank: int) -> float:
         return self._last_heartbeat(rank).get("t", self._heartbeats[rank][1])
@@ -339,6 +440,27 @@ class Agent(RecoveryMixin):
             return False
         limit = self.config.heartbeat_timeout if raw else self.config.startup_timeout
         return now - seen[1] > limit
+
+
+def _store_problem(s: LaunchSpec, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"{s.master_addr}:{s.master_port}"
+    if "address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc):
+        return f"--master-port {s.master_port} is already in use: choose a free port, or 0 for any ({first})"
+    if s.node_rank == 0 and not s.external_store:
+        return f"cannot host the job's store on {where} ({first}): check --master-addr and --master-port"
+    return f"cannot reach the job's store at {where} ({first}): start node 0 first, check --master-addr/--master-port"
+
+
+STOP_GRACE_S = 1.0  # how long a trainer's SIGTERM/SIGINT death waits for the launcher's own signal
+
+
+def _stop_signal_death(failure: Failure) -> bool:
+    """The trainer ended by SIGTERM/SIGINT (killed by it, its shell-style exit code, or Python's
+    KeyboardInterrupt) -- what a stop request to the whole process group does to it."""
+    stop = (signal.SIGTERM, signal.SIGINT)
+    return (failure.signal in stop or failure.exit_code in tuple(128 + s for s in stop)
+            or "KeyboardInterrupt" in (failure.exception or ""))
 
 
 def _stopped(pid: int) -> bool:

@@ -49,6 +49,7 @@ class Classification:
     hof: bool
     reason: str
     device: DeviceHealth
+    stop: bool = False  # no restart can help: stop the job
 
 
 def device_health(local_rank: int) -> DeviceHealth:
@@ -99,7 +100,7 @@ def classify(failure: Failure, config: RuntimeConfig, health: DeviceHealth) -> C
         return Classification(False, f"device not operable: {health.source}", health)
     for rule in config.all_rules:
         if _matches(rule, failure):
-            return Classification(rule.hof, rule.reason, health)
+            return Classification(rule.hof, rule.reason, health, rule.stop)
     return Classification(config.unknown_is_hof, "no rule matched: unknown_is_hof", health)
 
 

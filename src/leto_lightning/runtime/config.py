@@ -5,6 +5,9 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
+from ..errors import ConfigurationError
+from .storage import STORAGE_MESSAGES
+
 SHADOW_LEVELS = (1, 2, 3)
 
 
@@ -13,7 +16,8 @@ class ClassificationRule:
     """One row of the HOF table: the first rule whose fields all match decides.
 
     ``exit_code`` / ``signal`` match a process exit; ``exception`` is a substring of the
-    exception the trainer reported; ``reason`` is what the event log says.
+    exception the trainer reported; ``reason`` is what the event log says. ``stop``: no restart
+    can help (e.g. the run dir's disk is full): the job stops with the reason.
     """
 
     hof: bool
@@ -22,11 +26,15 @@ class ClassificationRule:
     signal: int | None = None
     exception: str | None = None
     hang: bool | None = None
+    stop: bool = False
 
 
 def default_rules() -> tuple[ClassificationRule, ...]:
     """DESIGN.md section 1: software failures and contained device errors are operable."""
-    return (
+    storage = tuple(ClassificationRule(False, f"storage error in the run dir ({text}): free space or fix the "
+                                              "filesystem, then relaunch (resumes from the last checkpoint)",
+                                       exception=text, stop=True) for text in STORAGE_MESSAGES)
+    return storage + (
         ClassificationRule(False, "device lost (Xid 79-class): needs a reset or a new node", exception="GPU is lost"),
         ClassificationRule(False, "uncontained ECC / remap failure (Xid 48/64/95): GPU reset",
                            exception="uncorrectable ECC error encountered"),
@@ -72,11 +80,11 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         for name in ("heartbeat_timeout", "startup_timeout", "poll_interval", "failure_window"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+                raise ConfigurationError(f"{name}={getattr(self, name)} must be positive")
         if self.max_failures < 1:
-            raise ValueError(f"max_failures={self.max_failures} must be at least 1")
+            raise ConfigurationError(f"max_failures={self.max_failures} must be at least 1")
         if self.shadow_level not in SHADOW_LEVELS:
-            raise ValueError(f"shadow_level={self.shadow_level}: choose 1, 2 or 3 (L1/L2/L3)")
+            raise ConfigurationError(f"shadow_level={self.shadow_level}: choose 1, 2 or 3 (L1/L2/L3)")
 
     @property
     def all_rules(self) -> tuple[ClassificationRule, ...]:

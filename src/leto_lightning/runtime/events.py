@@ -2,18 +2,32 @@
 
 Schema (docs/events.md): every event has ``time`` (Unix seconds), ``event`` and
 ``generation``; the other fields depend on the event. Readers must ignore unknown fields.
+
+Each record is one ``os.write`` of a whole line to a file opened ``O_APPEND``; a write the
+filesystem could not take whole (a full disk) is cut back off, so the log never ends in half a
+record, and the writer raises ``StorageError``. Readers still skip a torn last line (a log
+written by an older version, or a machine that lost power mid-write).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..errors import ConfigurationError, LetoError
+from .storage import StorageError
+
 EVENTS_FILE = "events.jsonl"
+log = logging.getLogger(__name__)
+
+
+class EventLogError(LetoError):
+    """An event log line that is not an event record (hand-edited or corrupted)."""
 
 
 class EventLog:
@@ -21,21 +35,55 @@ class EventLog:
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.path = Path(run_dir) / EVENTS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"run dir {str(run_dir)!r} cannot hold the event log ({exc.strerror}: {exc.filename}): "
+                "choose a directory you can write (--run-dir)") from exc
         self._lock = threading.Lock()
-        self._file = open(self.path, "a", buffering=1)
 
     def emit(self, event: str, generation: int, **fields: Any) -> dict:
         record = {"time": time.time(), "event": event, "generation": generation, **fields}
-        line = json.dumps(record, default=str)
+        line = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
+            if self._fd is None:
+                raise StorageError(f"event log {self.path} is closed (a write failed before)")
+            self._append(line)
         return record
+
+    def _append(self, line: bytes) -> None:
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+        except OSError as exc:
+            written, error = -1, exc
+        else:
+            error = None
+        if written == len(line):
+            return
+        try:  # a short write (full disk): cut it off, so the log ends at the last whole record
+            os.ftruncate(self._fd, size)
+        except OSError:
+            pass
+        reason = error.strerror if error is not None else f"only {written} of {len(line)} bytes written"
+        raise StorageError(f"cannot write the event log {self.path}: {reason}; free space in the run dir and "
+                           "relaunch (the log is intact up to its last whole record)") from error
+
+    def try_emit(self, event: str, generation: int, **fields: Any) -> dict | None:
+        """``emit``, for the last words of a job: a full disk must not hide why the job ended."""
+        try:
+            return self.emit(event, generation, **fields)
+        except StorageError as exc:
+            log.warning("event %s not logged: %s", event, exc)
+            return None
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict]:
@@ -43,11 +91,23 @@ def read_events(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def iter_events(run_dir: str | os.PathLike) -> Iterator[dict]:
+    """The records of a run dir's log; a torn last line (no newline, not JSON) is skipped."""
     path = Path(run_dir) / EVENTS_FILE
     if not path.exists():
         return
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield json.loads(line)
+    with open(path, errors="replace") as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                log.warning("%s: skipping a torn last line (a write cut short)", path)
+                return
+            raise EventLogError(f"{path} line {number} is not JSON: fix or delete that line") from None
+        if not isinstance(record, dict) or "event" not in record:
+            raise EventLogError(f"{path} line {number} is not an event record (no \"event\" key): fix or delete "
+                                "that line")
+        yield record

@@ -8,7 +8,9 @@ import os
 import time
 
 from .agent import Agent, LaunchSpec
+from ..errors import ConfigurationError
 from .config import ClassificationRule, RuntimeConfig
+from .rundir import DEFAULT_MODE, parse_mode
 
 
 def add_parser(subparsers) -> None:
@@ -29,6 +31,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT", 0)),
                    help="TCPStore port (0: a free port; single node only)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints, outputs (default: leto-runs/<time>)")
+    p.add_argument("--run-dir-mode", type=parse_mode, default=DEFAULT_MODE, metavar="MODE",
+                   help="permissions of the run dir (default 0700; files get them without x bits: 0600). "
+                        "E.g. 0750 lets your group read it (docs/security.md)")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="the job's control-plane secret (0600 file), the same on every node of a multi-node job "
+                        "(or LETO_SECRET; docs/security.md)")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, help="seconds without progress = hang")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--shadow-level", type=int, choices=(1, 2, 3), default=3,
@@ -63,14 +71,37 @@ def run(args: argparse.Namespace) -> int:
     spec = LaunchSpec(script=args.script, args=args.script_args, nproc_per_node=args.nproc_per_node,
                       nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, run_dir=run_dir,
-                      faults=json.loads(args.faults) if args.faults else [], trainer_layout=args.trainer_layout,
-                      external_store=args.external_store, store_prefix=args.store_prefix)
+                      faults=parse_faults(args.faults), trainer_layout=args.trainer_layout,
+                      external_store=args.external_store, store_prefix=args.store_prefix,
+                      run_dir_mode=args.run_dir_mode, secret_file=args.secret_file)
     rules = tuple(ClassificationRule(False, f"exit code {c} declared non-HOF (--non-hof-exit-code)", exit_code=c)
                   for c in args.non_hof_exit_code)
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
                            max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
     return Agent(spec, config).run()
+
+
+FAULT_KEYS = {"id", "rank", "point"}  # what every injected fault names (session.FaultInjector)
+
+
+def parse_faults(text: str) -> list[dict]:
+    """``--faults``: a JSON list of objects, each with at least an id, a rank and a point."""
+    if not text:
+        return []
+    try:
+        faults = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"--faults {text!r} is not JSON ({exc.msg}): give a JSON list of fault objects, "
+                                 'e.g. \'[{"id": 0, "rank": 1, "point": "compute.begin", "iteration": 5}]\'') from None
+    if not isinstance(faults, list):
+        raise ConfigurationError(f"--faults {text!r}: expected a JSON list of fault objects, got {type(faults).__name__}")
+    for fault in faults:
+        if not isinstance(fault, dict) or not FAULT_KEYS <= fault.keys():
+            raise ConfigurationError(f"--faults: {json.dumps(fault)} is not a fault: each needs "
+                                     f"{', '.join(sorted(FAULT_KEYS))} (e.g. {{\"id\": 0, \"rank\": 1, "
+                                     '"point": "compute.begin"})')
+    return faults
 
 
 def _layout(text: str) -> tuple[int, int, int]:

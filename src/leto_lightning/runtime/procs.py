@@ -8,7 +8,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say why it failed
 
 
 @dataclass
@@ -21,6 +24,7 @@ class TrainerProcess:
     popen: subprocess.Popen
     started_at: float = field(default_factory=time.time)
     _pump: threading.Thread | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
 
     @property
     def pid(self) -> int:
@@ -43,6 +47,12 @@ class TrainerProcess:
         if self._pump is not None:
             self._pump.join(timeout=5)
 
+    def last_line(self) -> str:
+        """The last non-empty line the trainer printed (after it ended: e.g. its exception)."""
+        if self._pump is not None and self.poll() is not None:
+            self._pump.join(timeout=1)  # the pipe drains once the process is gone
+        return next((line for line in reversed(self.tail) if line.strip()), "").strip()
+
     def exit_status(self) -> tuple[int | None, int | None]:
         """(exit code, signal) once the process ended."""
         code = self.popen.returncode
@@ -58,7 +68,7 @@ def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role:
                              bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)
     proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
     prefix = f"[rank {rank} {role} g{generation}] "
-    proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout), daemon=True)
+    proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout, proc.tail), daemon=True)
     proc._pump.start()
     return proc
 
@@ -74,8 +84,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _pump(stream, prefix: str, out) -> None:
+def _pump(stream, prefix: str, out, tail: deque) -> None:
     for line in stream:
+        tail.append(line)
         out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
         out.flush()
     stream.close()

@@ -1,9 +1,13 @@
 """What the agent does once a failure is detected (the methods of ``Agent`` that recover).
 
-Breakdown recorded for every in-place recovery (seconds; docs/events.md):
-  detect        failure -> noticed (exit: at most one poll interval; hang: since the last heartbeat)
-  stop          SIGKILL every active trainer and reap it
+Breakdown recorded for every in-place recovery (seconds; docs/events.md). Consecutive
+intervals of one time line, so they add up to ``total_s``:
+  detect        failure -> noticed (exit: since the last poll that saw nothing wrong; hang: since
+                the last heartbeat)
+  stop          classify, SIGKILL every active trainer and reap it
   attach_repair attach the node's retained stores, undo-restore, repair, roll forward
+  start         until the trainers reached ``protect()``: a cold start's process start-up
+                (interpreter, imports, process group); a promoted shadow's wake-up
   init          what the promoted trainers still had to build (0 for a ready L3 shadow)
   resume        re-binding to retained state and restoring loop/RNG/data position
   recompute     redoing the interrupted iteration when it failed before its update committed
@@ -13,16 +17,17 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 
+from ..errors import RetainedStateError
 from ..protection.errors import ProtectionError
-from ..retained.shm import new_job_id, unlink_segments
+from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
 from ..retained.store import RetainedStore
 from ..updater.recovery import local_agreement, recover_node
 from . import keys
 from .classify import Failure, classify, device_health
 
 FAILED = "failed"  # a node's recovery summary that says its repair failed (never a rank number)
+BREAKDOWN = ("detect", "stop", "attach_repair", "start", "init", "resume")  # + "recompute" once known
 
 
 class RecoveryMixin:
@@ -31,13 +36,13 @@ class RecoveryMixin:
         self._track_first_iteration()
         if self.pending_recovery is not None:  # failed again before the first iteration after resuming
             self.events.emit("recovery_finished", self.generation, interrupted=True, first_iteration_s=None,
-                             breakdown={k: round(self.pending_recovery[k], 4)
-                                        for k in ("detect", "stop", "attach_repair", "init", "resume")},
+                             breakdown={k: round(self.pending_recovery[k], 4) for k in BREAKDOWN},
                              resume_iteration=self.pending_recovery["resume_iteration"],
                              failed_iteration=self.pending_recovery["failed_iteration"],
                              promoted=self.pending_recovery["promoted"])
             self.pending_recovery = None
         while failure is not None:
+            self._check_stop()
             self._charge_budget(failure)
             self.events.emit("failure_detected", self.generation, rank=failure.rank, pid=failure.pid,
                              role=failure.role, exit_code=failure.exit_code, signal=failure.signal,
@@ -48,6 +53,11 @@ class RecoveryMixin:
                              reason=verdict["reason"], device=verdict["device"], node=verdict["node"])
             print(f"[leto] {failure.describe()}: {'HOF' if verdict['hof'] else 'not a HOF'} ({verdict['reason']})",
                   file=self.out, flush=True)
+            self._stop_on_repeated_startup_failure(failure)
+            if verdict.get("stop"):
+                from .agent import JobStopped
+
+                raise JobStopped(f"{failure.describe()}: {verdict['reason']}")
             if verdict["hof"]:
                 failure = self._recover_in_place(failure)
             else:
@@ -59,7 +69,7 @@ class RecoveryMixin:
             return failure.remote_verdict
         v = classify(failure, self.config, device_health(self._device_index(failure.rank)))
         mine = json.dumps({"rank": failure.rank, "hof": v.hof, "reason": v.reason, "device": v.device.source,
-                           "node": self.spec.node_rank})
+                           "node": self.spec.node_rank, "stop": v.stop})
         return json.loads(self.store.compare_set(keys.FAILURE.format(gen=self.generation), "", mine))
 
     def _node_sync(self, step: str, value) -> list:
@@ -69,8 +79,24 @@ class RecoveryMixin:
             if node == self.spec.node_rank:
                 self.store.set(key, json.dumps(value))
         keys_all = [keys.NODE_STEP.format(gen=self.generation, step=step, node=n) for n in range(self.spec.nnodes)]
-        self.store.wait(keys_all, timedelta(seconds=self.config.startup_timeout))
+        self._wait_keys(keys_all, f"every node's agent to reach recovery step {step!r}")
         return [json.loads(self.store.get(k)) for k in keys_all]
+
+    def _stop_on_repeated_startup_failure(self, failure: Failure) -> None:
+        """A trainer that exits the same way before its first heartbeat twice has a configuration
+        error (a bad argument, an invalid setting, a missing module): retrying cannot fix it."""
+        if failure.iteration is not None or failure.exit_code is None or failure.pid is None:
+            return
+        proc = self.actives.get(failure.rank)
+        said = failure.exception or (proc.last_line() if proc is not None else "") or ""
+        signature = (failure.exit_code, said)
+        if signature in self._startup_failures:
+            from .agent import JobStopped
+
+            raise JobStopped(f"configuration error: the trainer failed the same way at start-up twice "
+                             f"(exit code {failure.exit_code}{': ' + said if said else ''}); it is not a hardware "
+                             "failure -- fix the script, its arguments or settings and relaunch")
+        self._startup_failures.add(signature)
 
     def _agree(self, summary: dict) -> tuple:
         """Job-wide roll-forward or rollback decision from every node's ``{rank: (status, iteration, open)}``.
@@ -99,21 +125,23 @@ class RecoveryMixin:
 
     def _recover_in_place(self, failure: Failure) -> Failure | None:
         t_fail = failure.last_heartbeat if failure.hang and failure.last_heartbeat else self._last_poll
-        timing = {"detect": max(0.0, failure.detected_at - t_fail)}
+        t_fail = min(t_fail, failure.detected_at)
+        timing = {"detect": failure.detected_at - t_fail}
         self.generation += 1
         self.events.emit("recovery_started", self.generation, cause_rank=failure.rank, hof=True)
-        t0 = time.time()
         self._kill(self.actives)
         self.actives = {}
         self._node_sync("stopped", True)  # no node touches retained state while another still trains
-        timing["stop"] = time.time() - t0
         t1 = time.time()
+        timing["stop"] = t1 - failure.detected_at
         reports, resume_it, problem = self._recover_job_retained()
         if problem is not None:
             return self._restart_from_checkpoint(problem)
-        timing["attach_repair"] = time.time() - t1
+        self._check_stop()
+        t2 = time.time()
+        timing["attach_repair"] = t2 - t1
         promoted = self._promote_or_cold_start()
-        outcome = self._wait_resumed(timing)
+        outcome = self._wait_resumed(timing, t2)
         if isinstance(outcome, Failure):
             return outcome
         lost = failure.iteration is not None and failure.phase == "compute"
@@ -130,11 +158,14 @@ class RecoveryMixin:
     def _recover_job_retained(self) -> tuple[dict, int | None, str | None]:
         """Repair this node's retained stores; then every node learns whether all of them could
         (else all restart from the checkpoint) and the job's resume iteration."""
-        reports, problem = {}, None
+        reports, problem = {}, self._unready_store()
         try:
-            reports = self._recover_retained()
-        except FileNotFoundError:
-            problem = "no retained state yet (the failure came before it was created)"
+            reports = self._recover_retained() if problem is None else {}
+        except FileNotFoundError as exc:
+            problem = (f"retained memory removed after set-up ({exc.filename or exc} is missing from /dev/shm): "
+                       "something freed it while the job ran")
+        except RetainedStateError as exc:  # incomplete, damaged beyond parity, no consistent iteration
+            problem = f"retained state unusable: {exc}"
         except (ProtectionError, RuntimeError) as exc:
             problem = f"retained state unusable: {exc}"
         mine = {"problem": problem, "resume": min((r.resume_iteration for r in reports.values()), default=None)}
@@ -144,6 +175,18 @@ class RecoveryMixin:
         if not problems and not resumes:
             problems = ["no node repaired any retained store"]
         return reports, min(resumes, default=None), problems[0] if problems else None
+
+    def _unready_store(self) -> str | None:
+        """Why the stores this agent repairs cannot be used for resuming, if one never got its
+        ready mark (``keys.STORE_READY``, set once it was completely initialised and protected)."""
+        unready = [r for r in self._repair_ranks() if not self.store.check([keys.STORE_READY.format(job=self.job_id,
+                                                                                                   rank=r)])]
+        if not unready:
+            return None
+        if any(list_segments(segment_name(self.job_id, f"r{r}", "")) for r in unready):
+            return (f"retained state incomplete: the store of rank(s) {unready} was never completely initialised and "
+                    "protected (a trainer died during set-up)")
+        return "no retained state yet (the failure came before it was created)"
 
     def _repair_ranks(self) -> list[int]:
         """The ranks whose stores this agent repairs: its node's. A per-rank agent (torchrun,
@@ -175,8 +218,11 @@ class RecoveryMixin:
                 s.close()
 
     def _promote_or_cold_start(self) -> str:
-        ready = bool(self.shadows) and all(
-            p.poll() is None and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
+        from .agent import _stopped
+
+        ready = bool(self.shadows) and all(  # a stopped (SIGSTOP) shadow would only hang: start cold instead
+            p.poll() is None and not _stopped(p.pid)
+            and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
             for r, p in self.shadows.items())
         ready = all(self._node_sync("shadows_ready", ready))  # promote only if every node can
         for rank in self._local_ranks():
@@ -196,7 +242,9 @@ class RecoveryMixin:
         self.events.emit("cold_start", self.generation, reason="no ready shadow set: new trainers attach to retained state")
         return "cold"
 
-    def _wait_resumed(self, timing: dict) -> Failure | dict:
+    def _wait_resumed(self, timing: dict, t_repaired: float) -> Failure | dict:
+        from .agent import _stopped
+
         deadline = time.time() + self.config.startup_timeout
         pending = set(self.actives)
         infos = {}
@@ -210,12 +258,13 @@ class RecoveryMixin:
             if failure is not None:
                 self.events.emit("recovery_failed", self.generation, rank=failure.rank, reason=failure.describe())
                 return failure
-            if time.time() > deadline:
-                p = self.actives[next(iter(pending))]
+            if time.time() > deadline:  # blame a stopped trainer, not the healthy one waiting for it
+                p = min((self.actives[r] for r in pending), key=lambda p: (not _stopped(p.pid), p.rank))
                 return self._failure(p, hang=True)
-            time.sleep(self.config.poll_interval)
-        timing["init"] = max(i["init_s"] for i in infos.values())
-        timing["resume"] = max(i["resume_s"] for i in infos.values())
+            self._stop.wait(self.config.poll_interval)
+        last = max(infos.values(), key=lambda i: i["t"])  # the rank the job waited for
+        timing["init"], timing["resume"] = last["init_s"], last["resume_s"]
+        timing["start"] = max(0.0, last["t"] - t_repaired - last["init_s"] - last["resume_s"])
         return infos
 
     def _track_first_iteration(self) -> None:
@@ -228,18 +277,18 @@ class RecoveryMixin:
             return
         now = max(float(self.store.get(k)) for k in done)
         first = now - rec["t_resumed"]
-        breakdown = {k: round(rec[k], 4) for k in ("detect", "stop", "attach_repair", "init", "resume")}
+        breakdown = {k: round(rec[k], 4) for k in BREAKDOWN}
         breakdown["recompute"] = round(first if rec["recomputes"] else 0.0, 4)
+        total = round(sum(breakdown.values()), 4)  # failure -> resumed (+ the redone iteration)
         self.events.emit("recovery_finished", self.generation, breakdown=breakdown,
-                         first_iteration_s=round(first, 4), total_s=round(now - rec["t_fail"], 4),
+                         first_iteration_s=round(first, 4), total_s=total,
                          resume_iteration=rec["resume_iteration"], failed_iteration=rec["failed_iteration"],
                          promoted=rec["promoted"], repair=rec["repair"])
         if self._shadows_due:
             self._shadows_due = False
             self._start_shadows()
         print(f"[leto] recovered in place (generation {self.generation}): resumed at iteration "
-              f"{rec['resume_iteration']}, {now - rec['t_fail']:.2f} s to the first iteration after the failure "
-              f"{breakdown}", file=self.out, flush=True)
+              f"{rec['resume_iteration']}, {total:.2f} s lost to the failure {breakdown}", file=self.out, flush=True)
         self.pending_recovery = None
 
     def _restart_from_checkpoint(self, reason: str) -> Failure | None:
