@@ -35,15 +35,32 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     if args.core:
         return run_core(args)
     import os
     import time as _time
 
     from .demo_e2e import run_demo
+    from .runtime.storage import usable_run_dir
 
-    run_dir = args.run_dir or os.path.join("leto-runs", f"demo-{_time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = usable_run_dir(args.run_dir or os.path.join("leto-runs", f"demo-{_time.strftime('%Y%m%d-%H%M%S')}"))
     return run_demo(args.steps, args.hof_every, run_dir)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what would fail only after the fault-free reference run (minutes)."""
+    from .errors import ConfigurationError
+    from .faults.scenario import OPTIMIZERS
+
+    if args.core and args.optimizer not in OPTIMIZERS:
+        raise ConfigurationError(f"--optimizer {args.optimizer!r} is not one the core demo knows: choose one of "
+                                 f"{', '.join(sorted(OPTIMIZERS))}")
+    if args.steps < 2:
+        raise ConfigurationError(f"--steps {args.steps}: the demo needs at least 2 iterations")
+    if not 1 <= args.hof_every < args.steps:
+        raise ConfigurationError(f"--hof-every {args.hof_every}: a HOF every N iterations needs 1 <= N < --steps "
+                                 f"({args.steps})")
 
 
 def run_core(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ the fault-free run, a loss plot and the wandb offline run.
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 import time
@@ -63,18 +62,19 @@ def summarize(console, base: Path) -> int:
 
     events = read_events(base / "faulty")
     table = Table(title="recoveries: breakdown in seconds")
-    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "init", "resume", "recomp", "total"):
+    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "start", "init", "resume", "recomp", "total"):
         table.add_column(col, justify="right")
     lost = 0.0
     for e in (e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")):
         b = e["breakdown"]
         lost += e["total_s"]
         table.add_row(str(e["generation"]), str(e["failed_iteration"]), str(e["resume_iteration"]),
-                      *(f"{b[k]:.2f}" for k in ("detect", "stop", "attach_repair", "init", "resume", "recompute")),
+                      *(f"{b.get(k, 0.0):.2f}" for k in ("detect", "stop", "attach_repair", "start", "init", "resume",
+                                                         "recompute")),
                       f"{e['total_s']:.2f}")
     console.print(table)
-    console.print("total = failure -> first completed iteration after it (shadows promoted; "
-                  "'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
+    console.print("total = the sum: failure -> resumed, plus the redone iteration if one was lost (shadows "
+                  "promoted; 'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
     start = next(e["time"] for e in events if e["event"] == "job_started")
     end = next(e["time"] for e in events if e["event"] == "job_finished")
     ettr = 1 - lost / (end - start)
@@ -89,7 +89,7 @@ def summarize(console, base: Path) -> int:
 
 
 def _same(a: Path, b: Path, torch) -> bool:
-    x, y = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     params = all(torch.equal(p, q) for p, q in zip(x["params"], y["params"]))
     sx, sy = x["optimizer"]["state"], y["optimizer"]["state"]
     return params and all(torch.equal(sx[i][k], sy[i][k]) for i in sy for k in sy[i] if torch.is_tensor(sy[i][k]))
@@ -116,8 +116,9 @@ def _plot(base: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(list(ref), list(ref.values()), label="fault-free", lw=3, alpha=0.5)
     ax.plot(list(faulty), list(faulty.values()), "--", label="with HOFs (Leto)", lw=1.5)
-    events = [e for e in json.loads("[" + ",".join(open(base / "faulty" / "events.jsonl")) + "]")
-              if e["event"] == "failure_detected"]
+    from .runtime.events import read_events
+
+    events = [e for e in read_events(base / "faulty") if e["event"] == "failure_detected"]
     for e in events:
         if e.get("iteration") is not None:
             ax.axvline(e["iteration"], color="red", lw=0.8, alpha=0.6)

@@ -13,6 +13,8 @@ import os
 import random
 import time
 
+from .errors import ConfigurationError
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a recipe (recipes/*.yaml) on CPU ranks with in-place recovery",
@@ -37,6 +39,32 @@ def hof_faults(hof_every: int, phase: str, max_steps: int, ranks: int, seed: int
     return faults
 
 
+def _load(load_recipe, name: str, overrides):
+    """``load_recipe``, with a file that is not YAML named in one line."""
+    import yaml
+
+    try:
+        return load_recipe(name, overrides)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigurationError(f"recipe {name!r} is not valid YAML ({problem}{where}): fix the file") from None
+
+
+def _check_retained_settings(leto, ranks: int) -> None:
+    """The recipe's ``leto.*`` settings, checked as the trainers will use them -- before any
+    trainer starts (else each start fails the same way, restart after restart)."""
+    from .retained.config import RetainedConfig
+
+    try:
+        config = RetainedConfig(page_bytes=leto.page_bytes, data_pages=leto.data_pages,
+                                tier1_parity=leto.tier1_parity, tier2_parity=leto.tier2_parity)
+        config.check_devices(ranks)
+    except ValueError as exc:
+        raise ConfigurationError(f"recipe setting leto.*: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     return build_agent(args.recipe, args.overrides, args.run_dir, args.heartbeat_timeout).run()
 
@@ -49,14 +77,16 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     from .models.config import load_recipe
     from .runtime.agent import Agent, LaunchSpec
     from .runtime.config import RuntimeConfig
+    from .runtime.storage import usable_run_dir
 
-    recipe = load_recipe(recipe_name, overrides)
+    recipe = _load(load_recipe, recipe_name, overrides)
     par = recipe.active.parallelism
+    _check_retained_settings(recipe.leto, par.dp)
     if par.tp != 1 or par.pp != 1:
         raise SystemExit(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has tp={par.tp}, "
                          f"pp={par.pp}; use size=tiny (or the simulator for full sizes: leto simulate --recipe {recipe.name})")
     run_dir = run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
+    usable_run_dir(run_dir)
     resolved = os.path.join(run_dir, "recipe.yaml")
     OmegaConf.save(OmegaConf.structured(recipe), resolved)
     faults = hof_faults(recipe.faults.hof_every, str(recipe.faults.hof_phase.value), recipe.trainer.max_steps,

@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(default: kimi_moe)")
     w.add_argument("--size", default="full", choices=("full", "tiny"),
                    help="recipe form (default: full)")
-    w.add_argument("--gpus", type=int, help="GPU count; DP (and the global batch) scale to it")
+    w.add_argument("--gpus", type=_gpu_count, help="GPU count; DP (and the global batch) scale to it")
     for key in ("dp", "tp", "pp", "ep"):
         w.add_argument(f"--{key}", type=int, help=f"override the recipe's {key.upper()} degree")
     w.add_argument("--iteration-time", type=float, metavar="SECONDS",
@@ -100,6 +100,30 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+MAX_GPUS = 1 << 20  # beyond the largest clusters the cost model was fitted for (131,072 GPUs) by 8x
+MAX_FAILURES_PER_RUN = 200_000  # a Monte Carlo run's work grows with this: bound it, do not hang
+
+
+def _gpu_count(text: str) -> int:
+    """``--gpus``: an integer in [1, MAX_GPUS] (``1e5``-style numbers accepted when whole)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs") from None
+    if value != value or not 1 <= value <= MAX_GPUS or value != int(value):
+        raise argparse.ArgumentTypeError(f"--gpus={text} must be a whole number in [1, {MAX_GPUS:,}]")
+    return int(value)
+
+
+def _check_work(failures: FailureModel, days: float) -> None:
+    """Refuse a failure rate whose simulation would run for hours (or print NaN) instead of
+    answering: one failure per few seconds of a month is no training at all."""
+    expected = days * DAY_S / failures.mttf_s
+    require(expected <= MAX_FAILURES_PER_RUN, "job MTTF", f"{failures.mttf_s:g} s",
+            f"means {expected:,.0f} failures in {days:g} days, more than the simulator's bound of "
+            f"{MAX_FAILURES_PER_RUN:,} per run: raise --mttf/--gpu-mttf or lower --days")
+
+
 def _failures(args: argparse.Namespace, n_gpus: int) -> tuple[FailureModel, Optional[float]]:
     """Failure model and the default horizon it implies (a trace's span)."""
     from leto_lightning.sim.checks import fraction
@@ -142,6 +166,8 @@ def _report(args: argparse.Namespace) -> SimulationReport:
     failures, span = _failures(args, workload.n_gpus)
     days = args.days if args.days is not None else (span / DAY_S if span else 30.0)
     require(days > 0, "--days", days, "must be > 0")
+    if failures.trace is None:
+        _check_work(failures, days)
     settings = SimSettings(days * DAY_S, args.runs, args.seed, not args.no_monte_carlo)
     knobs = SystemKnobs(leto_fallback=args.leto_fallback, leto_tier2=args.leto_tier2)
     systems = [s for s in args.systems.split(",") if s.strip()]
