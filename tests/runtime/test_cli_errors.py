@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -66,6 +67,29 @@ def test_launch_inputs_refused_before_anything_starts(leto, tmp_path):
         busy.close()
     _one_line(*leto("launch", *run, str(tmp_path / "missing.py")), "missing.py", "not found")
     _one_line(*leto("launch", "--nproc-per-node", "x", PLAIN_DDP), "--nproc-per-node", "--help")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody may write: a read-only tmpfs as root (root ignores permissions), else 0500."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        path.chmod(0o500)
+    yield path
+    if mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+    else:
+        path.chmod(0o700)
+
+
+def test_unwritable_run_dir(leto, read_only_dir):
+    for command in (["launch", "--run-dir", str(read_only_dir), PLAIN_DDP],
+                    ["train", "olmoe", "size=tiny", "--run-dir", str(read_only_dir)],
+                    ["demo", "--run-dir", str(read_only_dir)]):
+        _one_line(*leto(*command), str(read_only_dir), "--run-dir")
 
 
 def test_train_demo_simulate_inputs(leto, tmp_path):

@@ -20,6 +20,7 @@ from .harness import finish, launch_args, stop, wait_for
 
 ITERATIONS = 12
 SETUP = "setup.segments_created"  # a trainer's store segments exist, not yet initialised
+NO_SHADOWS = ["--no-shadows"]  # where shadows play no part: half the processes to start
 
 
 def _events(run_dir) -> list[dict]:
@@ -37,8 +38,8 @@ def test_failure_during_setup_falls_back_at_once(tmp_path):
     before it is complete: recognised as half-initialised, fresh start within seconds."""
     faults = [{"id": 0, "rank": 0, "point": SETUP, "generation": 0},
               {"id": 1, "rank": 1, "point": SETUP, "generation": 2, "signal": int(signal.SIGBUS)}]
-    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, faults=faults), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True), tmp_path, timeout=240)
+    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, faults=faults, extra=NO_SHADOWS),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), tmp_path, timeout=240)
     assert result.returncode == 0, result.output[-3000:]
     detected = result.of("failure_detected")
     assert [e["signal"] for e in detected] == [signal.SIGKILL, signal.SIGBUS], detected
@@ -61,7 +62,7 @@ def test_stop_request_to_the_process_group_wins_over_recovery(tmp_path, case):
             signal.SIGTERM
         marker = "recovery_started"
     else:  # a trainer dies during set-up: the recovery is a restart from scratch
-        faults, extra, sig = [{"id": 0, "rank": 0, "point": SETUP}], [], signal.SIGINT
+        faults, extra, sig = [{"id": 0, "rank": 0, "point": SETUP}], NO_SHADOWS, signal.SIGINT
         marker = "fallback_checkpoint"
     proc = subprocess.Popen(launch_args(tmp_path, 200, faults=faults, extra=extra, script_args=["--sleep", "0.1"]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -87,7 +88,8 @@ def test_stop_request_to_the_process_group_wins_over_recovery(tmp_path, case):
 
 
 def test_trainer_failing_twice_at_startup_is_a_configuration_error(tmp_path):
-    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, script_args=["--dim", "sixty-four"]),
+    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, extra=NO_SHADOWS,
+                                                 script_args=["--dim", "sixty-four"]),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), tmp_path, timeout=240)
     assert result.returncode == 3, result.output[-3000:]
     (stopped,) = result.of("job_stopped")
@@ -142,8 +144,8 @@ def test_full_run_dir_stops_the_job_with_the_reason(small_disk):
     from leto_lightning import cli
 
     run_dir = small_disk / "run"
-    result = finish(subprocess.Popen(launch_args(run_dir, 30), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True), run_dir, timeout=240)
+    result = finish(subprocess.Popen(launch_args(run_dir, 30, extra=NO_SHADOWS), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True), run_dir, timeout=240)
     assert result.returncode == 3, result.output[-3000:]
     verdicts = result.of("classification")
     assert verdicts and not verdicts[0]["hof"] and "storage" in verdicts[0]["reason"], verdicts

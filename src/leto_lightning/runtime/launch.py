@@ -10,6 +10,7 @@ import time
 from .agent import Agent, LaunchSpec
 from ..errors import ConfigurationError
 from .config import ClassificationRule, RuntimeConfig
+from .storage import usable_run_dir
 from .rundir import DEFAULT_MODE, parse_mode
 
 
@@ -68,6 +69,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or os.path.join("leto-runs", time.strftime("%Y%m%d-%H%M%S"))
+    usable_run_dir(run_dir, args.run_dir_mode)  # a file, or read-only: one line before anything starts
     spec = LaunchSpec(script=args.script, args=args.script_args, nproc_per_node=args.nproc_per_node,
                       nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                       master_port=args.master_port, run_dir=run_dir,
