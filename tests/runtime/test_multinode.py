@@ -3,11 +3,14 @@ and the roll-forward agreement go through the TCPStore exactly as across real no
 
 from __future__ import annotations
 
+import os
+
 from .harness import finish, free_port, same_state, start
 from .test_inplace_recovery import ITERATIONS, reference  # noqa: F401  (the fixture)
 
 
-def test_two_nodes_recover_in_lockstep(tmp_path, reference):  # noqa: F811
+def test_two_nodes_recover_in_lockstep(tmp_path, reference, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())  # every node's agent: the same control-plane secret
     port = free_port()
     faults = [{"id": 0, "rank": 1, "iteration": 11, "point": "chunk.math_done", "occurrence": 2,
                "wait_shadows": True}]

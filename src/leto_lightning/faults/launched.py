@@ -36,7 +36,7 @@ class LaunchedRun:
 
     def final(self, rank: int) -> dict:
         """The state the example scripts save at the end: ``final_rank<r>.pt``."""
-        return torch.load(self.run_dir / f"final_rank{rank}.pt", weights_only=False)
+        return torch.load(self.run_dir / f"final_rank{rank}.pt", weights_only=True)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300, result: type = LaunchedRun) -> LaunchedRun:

@@ -11,14 +11,18 @@ command finds those segments and removes them, refusing while anything still use
 - ``leto cleanup --list``: every job with segments here: size, and which processes map it.
 
 A segment some process still maps (``/proc/<pid>/maps``) is never removed without ``--force``.
+Only your own segments are candidates, ``--force`` included: another user's processes are
+invisible to you (their ``/proc/<pid>/maps`` is unreadable), so their live memory would look free.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, field
 
+from ..errors import ConfigurationError
 from ..retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments, unlink_segment
 from .events import iter_events
 from .procs import is_alive
@@ -32,23 +36,36 @@ class RetainedJob:
     segments: list[str] = field(default_factory=list)
     nbytes: int = 0
     users: set[int] = field(default_factory=set)  # pids mapping any of its segments
+    owner: int = -1  # uid owning its segments (the first one seen)
+
+
+_OWNER_SUFFIX = re.compile(r"-(?:r|node)\d+-[^-]+$")  # "-r<rank>-<what>" / "-node<k>-<what>" (retained/spec.py)
 
 
 def job_of(segment: str) -> str:
-    """``leto-<job_id>-<parts>`` -> ``<job_id>`` (job ids contain no '-')."""
-    return segment[len(SEGMENT_PREFIX):].split("-", 1)[0]
+    """``leto-<job_id>-<parts>`` -> ``<job_id>``; a job id may contain '-' (a ``LETO_JOB_PREFIX``
+    with one): what follows it is the rank's or node's part and the segment's role."""
+    rest = segment[len(SEGMENT_PREFIX):]
+    owner = _OWNER_SUFFIX.search(rest)
+    return rest[:owner.start()] if owner else rest.split("-", 1)[0]
 
 
-def retained_jobs() -> dict[str, RetainedJob]:
-    """Every job with segments in /dev/shm, with sizes and the pids that map them."""
+def retained_jobs(others: dict[str, RetainedJob] | None = None) -> dict[str, RetainedJob]:
+    """Every job with segments of this user in /dev/shm, with sizes and the pids that map them.
+    Jobs whose segments belong to another user go to ``others`` (if given), never into the result."""
     jobs: dict[str, RetainedJob] = {}
+    me = os.geteuid()
     for name in list_segments():
-        job = jobs.setdefault(job_of(name), RetainedJob(job_of(name)))
-        job.segments.append(name)
         try:
-            job.nbytes += os.stat(os.path.join(SHM_DIR, name)).st_size
+            st = os.stat(os.path.join(SHM_DIR, name))
         except FileNotFoundError:  # freed meanwhile
-            pass
+            continue
+        into = jobs if st.st_uid == me else others
+        if into is None:
+            continue
+        job = into.setdefault(job_of(name), RetainedJob(job_of(name), owner=st.st_uid))
+        job.segments.append(name)
+        job.nbytes += st.st_size
     for pid, job_id in _mappings():
         if job_id in jobs:
             jobs[job_id].users.add(pid)
@@ -74,7 +91,12 @@ def _mappings() -> list[tuple[int, str]]:
 def jobs_in_run_dir(run_dir: str) -> tuple[list[str], list[int]]:
     """(job ids, agent pids) named in a run directory's event log."""
     job_ids, agents = [], []
-    for event in iter_events(run_dir):
+    try:
+        events = list(iter_events(run_dir))
+    except PermissionError:
+        raise ConfigurationError(f"{run_dir}: its events.jsonl is not readable by you: run `leto cleanup` as the "
+                                 "job's owner") from None
+    for event in events:
         if event.get("job_id") and event["job_id"] not in job_ids:
             job_ids.append(event["job_id"])
         if event["event"] == "job_started" and event.get("pid"):
@@ -86,9 +108,15 @@ def jobs_in_run_dir(run_dir: str) -> tuple[list[str], list[int]]:
 
 def free(job_ids: list[str], force: bool = False, dry_run: bool = False, out=print) -> int:
     """Remove the segments of ``job_ids``; returns 1 if something was refused, else 0."""
-    jobs, refused = retained_jobs(), 0
+    others: dict[str, RetainedJob] = {}
+    jobs, refused = retained_jobs(others), 0
     for job_id in job_ids:
         job = jobs.get(job_id)
+        if job is None and job_id in others:  # --force too: whose processes map it is invisible to us
+            out(f"{job_id}: its {len(others[job_id].segments)} segment(s) belong to uid {others[job_id].owner}, not "
+                f"to you (uid {os.geteuid()}); not freed (the owner runs `leto cleanup`)")
+            refused = 1
+            continue
         if job is None:
             out(f"{job_id}: no retained memory left")
             continue
@@ -98,8 +126,13 @@ def free(job_ids: list[str], force: bool = False, dry_run: bool = False, out=pri
             continue
         verb = "would free" if dry_run else "freed"
         if not dry_run:
-            for name in job.segments:
-                unlink_segment(name)
+            try:
+                for name in job.segments:
+                    unlink_segment(name)
+            except PermissionError as exc:  # e.g. /dev/shm's sticky bit
+                out(f"{job_id}: cannot remove {exc.filename or 'a segment'}: permission denied; not freed")
+                refused = 1
+                continue
         out(f"{job_id}: {verb} {len(job.segments)} segment(s), {job.nbytes / 2**20:.1f} MiB")
     return refused
 
@@ -135,9 +168,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list() -> int:
-    jobs = retained_jobs()
+    others: dict[str, RetainedJob] = {}
+    jobs = retained_jobs(others)
+    if others:
+        print(f"({len(others)} job(s) of other users not shown: only their owners can free them)")
     if not jobs:
-        print("no Leto retained memory in " + SHM_DIR)
+        print("no Leto retained memory of yours in " + SHM_DIR)
         return 0
     print(f"{'job id':<24} {'segments':>8} {'MiB':>9}  mapped by")
     for job in sorted(jobs.values(), key=lambda j: j.job_id):

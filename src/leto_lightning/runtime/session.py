@@ -35,7 +35,10 @@ from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
-from . import keys
+from ..errors import ConfigurationError
+from . import auth, keys
+from .control import SignedStore
+from .storage import atomic_torch_save
 
 
 @dataclass
@@ -78,7 +81,7 @@ class SessionEnv:
 
 
 class Session:
-    def __init__(self, env: SessionEnv, store: dist.TCPStore) -> None:
+    def __init__(self, env: SessionEnv, store: SignedStore) -> None:
         self.env = env
         self.store = store
         self.rank = env.rank
@@ -119,7 +122,8 @@ class Session:
         if self.env.level < 3:
             self.wait_for_promotion()
         prefix = keys.PG_PREFIX.format(name=self.pg_name)
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=self.rank,
+        # torch's rendezvous needs a real Store: the unsigned one (as under torchrun; docs/security.md)
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store.raw), rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout))
 
     def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -156,7 +160,9 @@ class Session:
         e = self.env
         config.check_devices(e.local_world_size)
         spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout_for(optimizer, config), config)
-        ro = RetainedOptimizer(optimizer, RetainedStore.create(spec))
+        created = RetainedStore.create(spec)
+        point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
+        ro = RetainedOptimizer(optimizer, created)
         ro.bind(adopt=False, iteration=iteration, payload=payload)
         self.barrier()
         if e.local_rank == 0 and spec.tier2.enabled:
@@ -221,13 +227,11 @@ class Session:
         """Atomically write this rank's checkpoint (the slow path's restart point)."""
         path = self.checkpoint_path()
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return path
+        return atomic_torch_save(state, path)  # a full disk raises StorageError, leaves no partial file
 
     def load_checkpoint(self) -> dict | None:
         path = self.checkpoint_path()
-        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+        return load_checkpoint_file(path) if os.path.exists(path) else None
 
 
 class ProtectedTraining:
@@ -284,8 +288,9 @@ class FaultInjector:
     a named point of a given iteration on a given rank. Each fault fires once per job.
 
     A fault is ``{"id", "rank", "point", "iteration" (omit: any), "occurrence" (default 1),
-    "action": "kill" (default) | "exit", "code", "wait_shadows" (strike only once the shadow set
-    is ready: the steady state of a long job)}``.
+    "action": "kill" (default) | "exit", "code", "signal" (what to kill with, e.g. 7 = SIGBUS),
+    "wait_shadows" (strike only once the shadow set is ready: the steady state of a long job),
+    "generation" (omit: any)}``.
     """
 
     def __init__(self, session: Session) -> None:
@@ -302,8 +307,9 @@ class FaultInjector:
         if self.session.is_shadow:
             return
         it = self.session._iteration
+        gen = self.session.env.generation
         for f in self.pending:
-            if f["point"] == name and f.get("iteration", it) == it:
+            if f["point"] == name and f.get("iteration", it) == it and f.get("generation", gen) == gen:
                 n = self.counts[f["id"]] = self.counts.get(f["id"], 0) + 1
                 fired = keys.FAULT_FIRED.format(id=f["id"])
                 if n == f.get("occurrence", 1) and not self.session.store.check([fired]):
@@ -313,16 +319,65 @@ class FaultInjector:
                     self.session.store.set(fired, str(time.time()))
                     if f.get("action", "kill") == "exit":  # e.g. an exit code declared non-HOF
                         os._exit(int(f.get("code", 1)))
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), int(f.get("signal", signal.SIGKILL)))  # "signal": e.g. SIGBUS
+                    os.kill(os.getpid(), signal.SIGKILL)  # a signal the process survives
+
+
+class UnsafeCheckpoint(ConfigurationError):
+    """A checkpoint holds more than tensors and plain containers: refused, never unpickled."""
+
+
+def load_checkpoint_file(path: str) -> dict:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a pickle
+    planted in the run dir is refused instead of run (what ``save_checkpoint`` writes loads)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpoint(f"checkpoint {path!r} is not a plain tensor checkpoint (refused to unpickle it: "
+                               f"{first}); delete it if you did not write it, or resume from another") from None
+
+
+def _rejection_reporter(env: SessionEnv, events_path: str | None):
+    """Trainers record rejected control messages in the agent's event log (one O_APPEND write per
+    line: lines never interleave with the agent's)."""
+
+    def report(key: str, reason: str) -> None:
+        if not events_path:
+            return
+        record = {"time": time.time(), "event": "control_message_rejected", "generation": env.generation,
+                  "key": key, "reason": reason, "reader": f"rank {env.rank} {env.role}", "pid": os.getpid()}
+        try:
+            fd = os.open(events_path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, (json.dumps(record) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:  # the run dir is gone or full: the warning in the output stays
+            pass
+
+    return report
+
+
+def connect(env: SessionEnv, environ=os.environ) -> SignedStore:
+    """The agent's store, signed with the job's secret (``LETO_AUTH_KEY``, set by the agent)."""
+    if auth.CHILD_ENV not in environ:
+        raise RuntimeError(f"not started by `leto launch` (missing {auth.CHILD_ENV}); run the script with "
+                           "`leto launch --nproc-per-node N script.py`")
+    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
+    prefix = environ.get("LETO_STORE_PREFIX", "")
+    if prefix:  # the agent's keys live in a namespace of a shared store (torchrun's)
+        store = dist.PrefixStore(prefix, store)
+    return SignedStore(store, bytes.fromhex(environ[auth.CHILD_ENV]), prefix,
+                       _rejection_reporter(env, environ.get("LETO_EVENTS")))
 
 
 def init() -> Session:
     """Connect to the agent of ``leto launch``. Shadows at level 1 or 2 wait here."""
     env = SessionEnv.from_environ()
-    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
-    if os.environ.get("LETO_STORE_PREFIX"):  # the agent's keys live in a namespace of a shared store (torchrun's)
-        store = dist.PrefixStore(os.environ["LETO_STORE_PREFIX"], store)
-    session = Session(env, store)
+    session = Session(env, connect(env))
     if session.is_shadow and env.level < 3:
         if env.level == 2 and torch.cuda.is_available():
             torch.cuda.init()  # L2: the device runtime is up, nothing else

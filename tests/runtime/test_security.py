@@ -1,0 +1,289 @@
+"""Issue 15 items 1, 5, 6, 7: one job per run dir, an authenticated control plane on loopback,
+checkpoints loaded without unpickling code, a run dir only its owner can read.
+
+One launched job (``attacked``) is shared by several assertions: a client without the secret
+forges "finished" and "promote" keys, copies a valid message under another key and replays an
+old heartbeat while a real SIGKILL forces a recovery; a second launch into the same run dir is
+refused; the store is not reachable on the machine's other addresses. Its final weights must be
+bit-identical to an undisturbed run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from leto_lightning.runtime import rundir
+from leto_lightning.runtime.control import SignedStore, host_store
+from leto_lightning.runtime.events import read_events
+from leto_lightning.runtime.session import UnsafeCheckpoint, load_checkpoint_file
+
+from .harness import finish, launch_args, run, same_state, start, stop, wait_for
+
+ITERATIONS = 12
+FAULT = {"id": 0, "rank": 1, "iteration": 7, "point": "chunk.math_done", "occurrence": 1, "wait_shadows": True}
+
+
+def _client(port: int) -> dist.TCPStore:
+    """Another process's view of the job's store: it knows the port, not the secret."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _put(store, key: str, value) -> None:
+    """``set`` is not acknowledged: read it back, so the write is in before the next step."""
+    store.set(key, value)
+    store.get(key)
+
+
+def _dead_agents_lock(run_dir) -> int:
+    """A lock left by an agent that was SIGKILLed while holding it; returns the dead pid."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            rundir.claim(str(run_dir))
+            os.write(ready_w, b"1")
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def _other_local_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (from the kernel's routing table)."""
+    try:
+        lines = open("/proc/net/fib_trie").read().splitlines()
+    except OSError:
+        return []
+    found = {lines[i - 1].split()[-1] for i, line in enumerate(lines) if "/32 host LOCAL" in line and i}
+    return sorted(a for a in found if not a.startswith("127."))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    result = run(tmp_path_factory.mktemp("reference"), ITERATIONS, extra=["--no-shadows"])  # shadows change nothing
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("attacked") / "run"
+    dead = _dead_agents_lock(run_dir)
+    proc = start(run_dir, ITERATIONS, faults=[FAULT])
+    seen, second = {"dead_agent": dead}, None
+    try:
+        wait_for(lambda: any(e["event"] == "job_started" for e in read_events(run_dir)), 120, "job_started")
+        (started,) = [e for e in read_events(run_dir) if e["event"] == "job_started"]
+        seen["agent_pid"], port = started["pid"], started["port"]
+        second = subprocess.Popen(launch_args(run_dir, ITERATIONS), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)  # while the job surely still runs
+        seen["listening"] = _listening_address(port)
+        seen["other_hosts"] = {a: _reachable(a, port) for a in _other_local_addresses()}
+        evil = _client(port)
+        for key in ("finished/0/0", "finished/0/1", "finished/1/0", "finished/1/1"):
+            evil.set(key, str(time.time()))  # an exit after "finished" is no failure: would end the job early
+        evil.set("promote/0-0", json.dumps({"generation": 0}))  # shadows would train beside the actives
+        seen["second"] = (second.communicate(timeout=120)[0], second.returncode)
+        _replay_a_heartbeat(evil, run_dir)
+        del evil
+        seen["result"] = finish(proc, run_dir)
+    finally:
+        stop(proc)
+        if "second" not in seen and second is not None:
+            stop(second)
+    return seen
+
+
+def _replay_a_heartbeat(evil: dist.TCPStore, run_dir) -> None:
+    """Write rank 0's older heartbeat back over a newer one the agent has read, and copy its newer
+    one (valid, but signed for ``hb/0``) to ``hb/1``. Rank 0 is stopped meanwhile (rank 1 soon
+    blocks in the all-reduce: nothing overwrites either); the newer value is put back until the
+    agent has read it, then the older one again -- until the agent reports both."""
+    while True:
+        old = evil.get("hb/0")
+        wait_for(lambda: evil.get("hb/0") not in (old, b""), 120, "a newer heartbeat")
+        newer = evil.get("hb/0")
+        writer = json.loads(newer.split(b".", 3)[3])["pid"]  # the value after the signature
+        try:
+            os.kill(writer, signal.SIGSTOP)
+            break
+        except ProcessLookupError:  # killed by a recovery meanwhile: the next writer
+            continue
+    try:
+        deadline = time.time() + 60
+        while not {"hb/0", "hb/1"} <= {e.get("key") for e in read_events(run_dir)
+                                       if e["event"] == "control_message_rejected"}:
+            assert time.time() < deadline, "the agent never read the replayed or the copied heartbeat"
+            _put(evil, "hb/1", newer)
+            _put(evil, "hb/0", newer)
+            time.sleep(0.3)
+            _put(evil, "hb/0", old)
+            time.sleep(0.3)
+        _put(evil, "hb/0", newer)
+    finally:
+        try:
+            os.kill(writer, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _listening_address(port: int) -> str:
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:
+            return socket.inet_ntoa(bytes.fromhex(local.split(":")[0])[::-1])
+    return "not found"
+
+
+def _reachable(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_forged_and_replayed_control_messages_change_nothing(attacked, reference):
+    result = attacked["result"]
+    assert result.returncode == 0, result.output[-3000:]
+    rejected = result.of("control_message_rejected")
+    by_key = {(e["key"], e["reason"].split(":")[0]) for e in rejected}
+    assert ("finished/0/1", "forged") in by_key, rejected  # the agent, when rank 1 was killed
+    assert ("promote/0-0", "forged") in by_key, rejected  # the waiting shadows
+    assert ("hb/0", "replayed") in by_key, rejected
+    assert ("hb/1", "forged") in by_key, rejected  # rank 0's valid heartbeat, copied to rank 1's key
+    assert any(e["reader"].endswith("shadow") for e in rejected if e["key"] == "promote/0-0")
+    (done,) = [e for e in result.of("recovery_finished") if not e.get("interrupted")]
+    assert done["promoted"] == "shadow"
+    for rank in (0, 1):
+        assert same_state(result.final(rank), reference.final(rank)) == []
+
+
+def test_store_listens_on_loopback_only(attacked):
+    assert attacked["listening"] == "127.0.0.1"
+    assert not any(attacked["other_hosts"].values()), attacked["other_hosts"]
+
+
+def test_a_second_launch_into_a_live_run_dir_is_refused(attacked):
+    (output, code), result = attacked["second"], attacked["result"]
+    assert code != 0 and "belongs to a live job" in output, output[-3000:]
+    assert f"pid {attacked['agent_pid']}" in output
+    assert "Traceback" not in output
+    assert len(result.of("job_started")) == 1  # the refused launch wrote nothing
+    (taken,) = result.of("run_dir_lock_taken_over")  # the stale lock of a dead agent
+    assert taken["previous"]["pid"] == attacked["dead_agent"]
+
+
+def test_run_dir_is_its_owners_alone(attacked):
+    run_dir = attacked["result"].run_dir
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    files = [os.path.join(d, f) for d, _, fs in os.walk(run_dir) for f in fs]
+    assert any(f.endswith("events.jsonl") for f in files) and any("checkpoints" in f for f in files)
+    modes = {f: oct(stat.S_IMODE(os.stat(f).st_mode)) for f in files}
+    assert set(modes.values()) == {"0o600"}, modes
+    assert not os.path.exists(run_dir / rundir.LOCK_FILE)  # released at the end
+    # what the job's trainers saved loads under weights_only=True
+    ckpt = load_checkpoint_file(str(run_dir / "checkpoints" / "rank0.pt"))
+    assert ckpt["iteration"] == 10
+
+
+def test_a_live_lock_is_refused_and_a_dead_one_taken_over(tmp_path):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            rundir.claim(str(tmp_path))
+            os.write(w, b"1")
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(r, 1) == b"1"
+        with pytest.raises(rundir.RunDirBusy, match=f"pid {pid} "):
+            rundir.claim(str(tmp_path))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    claim = rundir.claim(str(tmp_path))
+    try:
+        assert claim.previous["pid"] == pid
+    finally:
+        claim.release()
+
+
+def test_run_dir_mode_is_what_the_user_asks(tmp_path):
+    path = tmp_path / "shared"
+    claim = rundir.claim(str(path), rundir.parse_mode("0750"))
+    try:
+        open(path / "f", "w").close()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o750
+        assert stat.S_IMODE(os.stat(path / "f").st_mode) == 0o640
+    finally:
+        claim.release()
+    with pytest.raises(ValueError, match="owner needs rwx"):
+        rundir.parse_mode("0500")
+
+
+def test_signed_store_rejects_forgery_copies_and_replays():
+    raw, port = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    rejected = []
+    agent = SignedStore(raw, b"s" * 32, on_reject=lambda k, why: rejected.append((k, why.split(":")[0])))
+    trainer = SignedStore(_client(port), b"s" * 32)
+    evil = _client(port)
+    _put(evil, "promote/1", "{}")
+    assert not agent.check(["promote/1"])  # forged: as if unset
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        agent.wait(["promote/1"], timedelta(seconds=0.3))
+    trainer.set("promote/1", "go")
+    agent.wait(["promote/1"], timedelta(seconds=5))
+    assert agent.get("promote/1") == b"go"
+    _put(evil, "finished/1", evil.get("promote/1"))  # valid, but signed for another key
+    assert not agent.check(["finished/1"])
+    _put(trainer, "hb", "1")
+    old = evil.get("hb")
+    assert agent.get("hb") == b"1"
+    _put(trainer, "hb", "2")
+    assert agent.get("hb") == b"2"
+    _put(evil, "hb", old)  # replay: the last accepted value stands
+    assert agent.get("hb") == b"2"
+    _put(evil, "verdict", "forged")  # first writer wins -- but not a writer without the secret
+    assert agent.compare_set("verdict", "", "mine") == b"mine"
+    assert trainer.compare_set("verdict", "", "theirs") == b"mine"
+    assert agent.add("count", 1) == 1 and trainer.add("count", 1) == 2 and agent.add("count", 0) == 2
+    _put(evil, "count", "99")
+    assert agent.add("count", 0) == 2
+    assert rejected == [("promote/1", "forged"), ("finished/1", "forged"), ("hb", "replayed"),
+                        ("verdict", "forged"), ("count", "forged")]
+    del trainer, evil, agent, raw
+
+
+def test_a_planted_pickle_is_refused_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    path = tmp_path / "rank0.pt"
+    torch.save({"model": Planted()}, path)
+    with pytest.raises(UnsafeCheckpoint, match="rank0.pt"):
+        load_checkpoint_file(str(path))
+    assert not marker.exists()
