@@ -69,7 +69,7 @@ class SignedStore:
         if len(secret) < 16:
             raise ConfigurationError("the job's secret must have at least 16 bytes")
         self.raw = raw
-        self._secret = secret
+        self._keyed = hmac.new(secret, digestmod=hashlib.sha256)  # copied per message: the key set up once
         self._context = context.encode()
         self._writer = secrets.token_hex(4)
         self._seq = 0
@@ -84,8 +84,9 @@ class SignedStore:
 
     # -- signing ---------------------------------------------------------------------------
     def _mac(self, key: str, writer: bytes, seq: bytes, value: bytes) -> bytes:
-        msg = b"\0".join((self._context, key.encode(), writer, seq, value))
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
+        mac = self._keyed.copy()
+        mac.update(b"\0".join((self._context, key.encode(), writer, seq, value)))
+        return mac.hexdigest().encode()
 
     def sign(self, key: str, value: str | bytes) -> bytes:
         value = value.encode() if isinstance(value, str) else bytes(value)
