@@ -335,9 +335,10 @@ def load_checkpoint_file(path: str) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsafeCheckpoint(f"checkpoint {path!r} is not a plain tensor checkpoint (refused to unpickle it: "
-                               f"{first}); delete it if you did not write it, or resume from another") from None
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]  # torch's middle line names what it refused
+        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), type(exc).__name__)
+        raise UnsafeCheckpoint(f"checkpoint {path!r} holds more than tensors and plain values ({why.strip()}): "
+                               "refused, nothing in it was run -- delete it if you did not write it") from None
 
 
 def _rejection_reporter(env: SessionEnv, events_path: str | None):
