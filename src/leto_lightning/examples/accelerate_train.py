@@ -1,0 +1,206 @@
+"""A Hugging Face Accelerate training loop that survives failures in place.
+
+    accelerate launch --config_file configs/accelerate/leto.yaml src/leto_lightning/examples/accelerate_train.py
+    leto launch --nproc-per-node 2 src/leto_lightning/examples/accelerate_train.py
+    torchrun --nproc-per-node 2 src/leto_lightning/examples/accelerate_train.py
+
+The compact MoE transformer (``models/``) on a shuffled synthetic token set, AdamW, a cosine
+schedule with warm-up, gradient accumulation, clipping, dropout and a tracker (a JSON-lines
+file; ``--tensorboard`` / ``--wandb`` add Accelerate's own). ``--plain`` runs the same loop with
+``accelerate.Accelerator`` (the reference). Deterministic on CPU: with and without failures the
+final weights, optimizer state, LR and logged losses are bit-identical (``final_rank<r>.pt`` and
+``losses.jsonl`` in the output directory).
+
+``--ema`` keeps an exponential moving average of the weights, updated after ``opt.step()`` and
+registered for checkpointing: user code after the step, which only the exact mode
+(``--rollback-window``) redoes after a crash (docs/accelerate.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+from accelerate.tracking import GeneralTracker
+
+from leto_lightning.models.config import ModelConfig
+from leto_lightning.models.moe_transformer import build_model
+
+
+class JsonlTracker(GeneralTracker):
+    """Accelerate tracker writing one JSON line per ``accelerator.log`` call (which runs on the
+    main process only). Built before the accelerator, so it must not touch Accelerate's state
+    (``PartialState()`` would be initialised here, without ``cpu=True``)."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: str) -> None:
+        super().__init__(_blank=True)
+        self.path = path
+        self.file: Any = None
+
+    @property
+    def tracker(self) -> Any:
+        return self.file
+
+    def store_init_configuration(self, values: dict) -> None:
+        pass
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if self.file is None:
+            self.file = open(self.path, "a")
+        self.file.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")
+        self.file.flush()
+
+    def finish(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class EMA:
+    """An exponential moving average of the weights (state outside retained memory)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def update(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    def state_dict(self) -> dict:
+        return {n: t.clone() for n, t in self.shadow.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for n, t in state.items():
+            self.shadow[n].copy_(t)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--plain", action="store_true", help="accelerate.Accelerator (the reference), not Leto's")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=64, help="sequences in the training set")
+    p.add_argument("--batch-size", type=int, default=2, help="per rank")
+    p.add_argument("--accumulation", type=int, default=4)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--ema", action="store_true", help="an EMA of the weights after every opt.step()")
+    p.add_argument("--rollback-window", action="store_true", help="Leto's exact mode (LetoConfig(rollback_window))")
+    p.add_argument("--page-bytes", type=int, default=16384)
+    p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per micro-step (slow it down)")
+    p.add_argument("--tensorboard", action="store_true")
+    p.add_argument("--wandb", action="store_true", help="wandb (offline unless WANDB_MODE says otherwise)")
+    p.add_argument("--out", default=None, help="output directory (default: $LETO_RUN_DIR, else runs/accelerate)")
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab_size=64, d_model=args.d_model, n_layers=args.layers, n_heads=2, n_kv_heads=2,
+                       ffn_hidden=2 * args.d_model, expert_ffn_hidden=args.d_model, n_experts=4, top_k=2,
+                       seq_len=args.seq_len)
+
+
+def build_accelerator(args: argparse.Namespace, out: str) -> Any:
+    from accelerate import Accelerator
+
+    trackers: list = [JsonlTracker(os.path.join(out, "losses.jsonl"))]
+    if args.tensorboard:
+        trackers.append("tensorboard")
+    if args.wandb:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        trackers.append("wandb")
+    common = dict(gradient_accumulation_steps=args.accumulation, log_with=trackers, project_dir=out)
+    if args.plain:  # without CUDA, cpu=True is what makes a MULTI_GPU launch train on gloo
+        return Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+                           **common)
+    from leto_lightning.accelerate import LetoAccelerator, LetoConfig
+
+    leto = LetoConfig(page_bytes=args.page_bytes, data_pages=4, tier1_parity=1, tier2_parity=1,
+                      record_bytes=1 << 20, rollback_window=args.rollback_window)
+    return LetoAccelerator(leto=leto, **common)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # bit-identical across processes needs one thread count
+    out = args.out or os.environ.get("LETO_RUN_DIR") or os.path.join("runs", "accelerate")
+    os.makedirs(out, exist_ok=True)
+    accelerator = build_accelerator(args, out)
+    torch.manual_seed(0)
+    cfg = model_config(args)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.samples, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=args.batch_size,
+                                         shuffle=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    steps = args.epochs * math.ceil(len(loader) / accelerator.num_processes / args.accumulation)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    ema = EMA(accelerator.unwrap_model(model)) if args.ema else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
+    accelerator.init_trackers("accelerate_train")
+    point = accelerator.leto_resume() if not args.plain else None
+    train(args, accelerator, model, opt, loader, sched, ema, point.epoch if point else 0)
+    save_final(accelerator, model, opt, sched, ema, out)
+    accelerator.end_training()
+
+
+def train(args: argparse.Namespace, accelerator: Any, model: Any, opt: Any, loader: Any, sched: Any,
+          ema: EMA | None, first_epoch: int) -> None:
+    model.train()
+    for epoch in range(first_epoch, args.epochs):
+        for (batch,) in loader:
+            with accelerator.accumulate(model):
+                logits, aux = model(batch[:, :-1])
+                logits = torch.nn.functional.dropout(logits, p=args.dropout, training=True)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + 0.01 * aux
+                accelerator.backward(loss)
+                if args.sleep:
+                    time.sleep(args.sleep)  # stands for compute time: redone on recompute
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip)
+                    # logged before the step: a recomputed step logs the same value again
+                    accelerator.log({"loss": accelerator.gather(loss.detach()).mean().item(),
+                                     "lr": sched.get_last_lr()[0], "epoch": epoch}, step=opt_steps(accelerator))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                if ema is not None and accelerator.sync_gradients:
+                    ema.update(accelerator.unwrap_model(model))
+
+
+def opt_steps(accelerator: Any) -> int:
+    """Optimizer steps so far (the retained iteration; for the plain reference, counted here)."""
+    retained = getattr(accelerator, "retained", None)
+    if retained is not None:
+        return retained.iteration
+    accelerator._example_steps = getattr(accelerator, "_example_steps", -1) + 1
+    return accelerator._example_steps
+
+
+def save_final(accelerator: Any, model: Any, opt: Any, sched: Any, ema: EMA | None, out: str) -> None:
+    inner = accelerator.unwrap_model(model)
+    state = {"params": {n: p.detach().clone() for n, p in inner.named_parameters()},
+             "optimizer": opt.state_dict(), "lr": sched.get_last_lr(), "step": accelerator.step,
+             "ema": ema.state_dict() if ema is not None else None}
+    torch.save(state, os.path.join(out, f"final_rank{accelerator.process_index}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""``LetoAccelerator``: ``accelerate.Accelerator`` whose optimizer state lives in retained memory.
+
+What it changes in ``Accelerator`` (each measured against Accelerate 1.15; docs/accelerate.md):
+
+- construction -- refuses what it cannot protect (``checks.py``); under ``accelerate launch``
+  or torchrun each worker ``exec``s into its rank's Leto agent (``runtime/per_rank.py``); under
+  ``leto launch`` it connects to the agent and builds the process group in the session's
+  namespace before Accelerate looks for one; without CUDA and with several ranks it asks for
+  ``cpu=True`` (gloo) instead of letting every rank train alone;
+- ``prepare_optimizer`` -- a ``LetoAcceleratedOptimizer`` (``optimizer.py``): Accelerate's
+  step, scaler and accumulation semantics, the innermost step a retained transaction;
+- ``prepare_data_loader`` -- the prepared loader gets its position (``loader.py``);
+- ``prepare`` -- once the optimizer's model is prepared (device placement, DDP wrap), binds
+  parameters, gradients and optimizer state to retained memory (``binding.py``);
+- ``leto_resume()`` -- after a recovery, puts back what ``save_state`` would plus the data
+  position (``payload.py``) and returns where the loop continues;
+- ``end_training`` -- also tells the agent the job finished (a crash during interpreter exit is
+  then no failure) and, without an agent, frees the retained memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+from accelerate.utils import InitProcessGroupKwargs
+
+from ...errors import ConfigurationError, UsageError
+from ...faults.points import point
+from ...runtime import per_rank
+from ...updater.transaction import COMMITTED
+from ..lightning.runtime_link import RuntimeLink  # the agent contract; imports no Lightning
+from . import binding
+from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
+from .config import LetoConfig
+from .loader import is_positioned, positioned
+from .optimizer import LetoAcceleratedOptimizer
+from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
+
+log = logging.getLogger(__name__)
+
+
+def under_leto_launch(env: Any = os.environ) -> bool:
+    """True in a trainer process started by ``leto launch`` (active or shadow)."""
+    return "LETO_ROLE" in env
+
+
+class LetoAccelerator(Accelerator):
+    """``Accelerator`` with retained optimizer state and in-place recovery (module doc).
+
+    Every ``Accelerator`` argument works as before; Leto's options come in ``leto=LetoConfig(...)``
+    (overridable by ``LETO_<FIELD>`` environment variables).
+    """
+
+    def __init__(self, *args: Any, leto: LetoConfig | None = None, **kwargs: Any) -> None:
+        if leto is not None and not isinstance(leto, LetoConfig):
+            raise ConfigurationError(f"leto={leto!r}: pass leto=LetoConfig(...) (from leto_lightning.accelerate)")
+        config = (leto if leto is not None else LetoConfig()).with_environment()
+        refuse_unsupported(kwargs)
+        self.leto_config = config
+        self.leto_options = config.runtime_options()
+        self.retained_config = config.retained_config()
+        self.runtime: RuntimeLink | None = RuntimeLink(config.heartbeat_interval) if under_leto_launch() else None
+        self.retained = None
+        self.leto_optimizer: LetoAcceleratedOptimizer | None = None
+        self.leto_loaders: list = []
+        self.leto_recoveries = 0
+        self._leto_payload: Any = None
+        self._leto_continuing = False
+        self._leto_resume_called = False
+        self._leto_point: ResumePoint | None = None
+        self._committed_since_boundary = False
+        self._last_loader: Any = None
+        self._train_loader: Any = None
+        if self.runtime is None and os.environ.get("TORCHELASTIC_RUN_ID"):
+            launch = per_rank.from_torchrun()
+            per_rank.check_numbering(launch, WHO)
+            per_rank.become_rank_agent(launch, per_rank.plain_script(), WHO, self.leto_options.shadow_level,
+                                       self.leto_options.heartbeat_timeout)  # execs, or raises saying what to do
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not torch.cuda.is_available() and not kwargs.get("cpu"):
+            kwargs["cpu"] = True  # else each rank would silently train alone (DistributedType.NO)
+        if self.runtime is not None:
+            self._connect(world, kwargs.get("kwargs_handlers") or ())
+        super().__init__(*args, **kwargs)
+        check_distributed(self)
+
+    def _connect(self, world: int, handlers: Any) -> None:
+        """Under ``leto launch``: the session first (L1/L2 shadows wait here), then the process
+        group in its namespace, with ``InitProcessGroupKwargs``' backend and timeout."""
+        assert self.runtime is not None
+        self.runtime.connect()
+        if world <= 1 or torch.distributed.is_initialized():
+            return
+        init = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+        backend = (init.backend if init is not None and init.backend else None) or (
+            "nccl" if torch.cuda.is_available() else "gloo")
+        timeout = init.timeout if init is not None and init.timeout is not None else timedelta(minutes=30)
+        self.runtime.init_process_group(backend, timeout.total_seconds())
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        result = super().prepare(*args, device_placement=device_placement)
+        self._bind_if_ready()
+        return result
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = LetoAcceleratedOptimizer(optimizer, self, device_placement=device_placement, scaler=self.scaler)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Any = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if isinstance(prepared, DataLoaderDispatcher):
+            raise ConfigurationError(
+                f"{WHO}: a dispatching data loader (DataLoaderConfiguration(dispatch_batches=True), the default for "
+                "an IterableDataset) cannot be put back at a position after a recovery -- use a map-style Dataset or "
+                "dispatch_batches=False")
+        if isinstance(prepared, DataLoaderShard) and not is_positioned(prepared):
+            positioned(prepared, self, len(self.leto_loaders))
+            self.leto_loaders.append(prepared)
+        return prepared
+
+    def _bind_if_ready(self) -> None:
+        """Bind once the optimizer and every model holding its parameters are prepared."""
+        if self.retained is not None or not self._optimizers:
+            return
+        prepared = the_optimizer(self._optimizers)
+        params = [p for g in prepared.optimizer.param_groups for p in g["params"]]
+        in_models = {id(p) for m in self._models for p in m.parameters()}
+        if not all(id(p) in in_models for p in params):
+            return  # the model comes in a later prepare() call
+        job = self.leto_options.resolved_job_id() or binding.agreed_job_id(self.num_processes)
+        rollback = self.leto_config.rollback_window
+        payload_fn: Callable[[], Any] = lambda: capture(self, PREPARE, self._train_loader)
+        barrier = self._barrier()
+        self._leto_continuing = (self.runtime is not None and self.runtime.resumes) or \
+            self.leto_options.resume_requested()
+        if self._leto_continuing:
+            if self.runtime is not None:
+                self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
+            ro = binding.attach(prepared.optimizer, job, self.process_index, barrier, payload_fn, rollback)
+            if self.runtime is not None:
+                self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
+            self._leto_payload = ro.resume()
+        else:
+            ro = binding.create(prepared.optimizer, self.retained_config, job, self._ranks(),
+                                binding.param_names(self._models), barrier, payload_fn, rollback)
+            if self.runtime is not None:
+                self.runtime.store_ready()  # shadows may attach now
+            else:
+                atexit.register(_free, ro)  # no agent will free it
+        prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
+        prepared.bind_step(self._retained_step)
+        self.retained, self.leto_optimizer = ro, prepared
+
+    def _ranks(self) -> dict[str, int]:
+        env = os.environ
+        return {"rank": self.process_index, "local_rank": self.local_process_index,
+                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", self.num_processes)),
+                "node": int(env.get("GROUP_RANK", env.get("LETO_NODE_RANK", "0")))}
+
+    def _barrier(self) -> Callable[[], None] | None:
+        """No chunk of an iteration commits before every rank prepared it."""
+        if self.runtime is not None:
+            return self.runtime.barrier
+        if self.num_processes <= 1:
+            return None
+        return lambda: torch.distributed.barrier()
+
+    # -- the step and the batches -------------------------------------------------------------
+    def _retained_step(self, closure: Callable | None) -> Any:
+        """The torch step's stand-in: prepare (payload), chunk transactions, commit."""
+        ro = self.retained
+        assert ro is not None
+        self._check_resumed()
+        link = self.runtime
+        if link is not None:
+            link.update_start(ro.iteration)
+        self._train_loader = self._last_loader
+        loss = ro.step(closure)
+        ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
+        self._committed_since_boundary = True
+        if link is not None:
+            link.step_done(ro.iteration - 1)
+        point("accelerate.after_step", iteration=ro.iteration - 1)
+        return loss
+
+    def _leto_before_batch(self, loader: Any) -> None:
+        """A prepared loader is about to yield a batch: the step before it is complete (the
+        ``boundary`` payload replaces its ``prepare`` payload), heartbeat, fault point."""
+        ro = self.retained
+        if ro is None:
+            return
+        if self._committed_since_boundary and loader is self._train_loader:
+            self._committed_since_boundary = False
+            self._record(capture(self, BOUNDARY, loader))
+        self._last_loader = loader
+        if self.runtime is not None:
+            self.runtime.batch_start(ro.iteration)
+        else:
+            point("compute.begin", iteration=ro.iteration)
+
+    def _record(self, payload: dict) -> None:
+        """The resume payload of the last committed iteration, replaced (exact mode: sealed)."""
+        ro = self.retained
+        assert ro is not None
+        if ro.rollback_window:
+            ro.seal(payload)
+        else:
+            ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": payload})
+
+    def _check_resumed(self) -> None:
+        if self._leto_continuing and not self._leto_resume_called:
+            raise UsageError(f"{WHO}: this process continues a job from retained memory; call "
+                             "accelerator.leto_resume() after prepare() and start the loop where it says")
+
+    def _leto_iter_started(self, loader: Any) -> None:
+        if self.retained is not None:
+            self._check_resumed()
+
+    # -- resume -------------------------------------------------------------------------------
+    def leto_resume(self) -> ResumePoint | None:
+        """``None`` on a fresh start. After a recovery: the retained state is in place, the
+        schedulers, scaler, ``step``, RNG and registered objects are put back, the prepared data
+        loaders start at the next batch; returns where the loop continues."""
+        if self.retained is None:
+            raise UsageError(f"{WHO}.leto_resume(): call it after accelerator.prepare(model, optimizer, ...)")
+        if self._leto_resume_called:
+            return self._leto_point
+        self._leto_resume_called = True
+        if not self._leto_continuing:
+            return None
+        self.retained.zero_grad()  # a crashed accumulation's partial gradients are dropped
+        payload = self._leto_payload
+        self._leto_point = restore(self, payload) if payload is not None else None
+        self.leto_recoveries = (payload or {}).get("recoveries", 0) + 1
+        if self.runtime is not None and self.runtime.resume_pending:
+            self.runtime.resumed(self.retained.iteration)
+        if self.trackers and self.is_main_process:
+            self.log({"leto/recoveries": self.leto_recoveries, "leto/resume_step": self.retained.iteration},
+                     step=self.retained.iteration)
+        log.info("%s resumed at step %d (%s)", WHO, self.retained.iteration, self._leto_point)
+        return self._leto_point
+
+    # -- the end --------------------------------------------------------------------------------
+    def end_training(self) -> None:
+        ro = self.retained
+        if ro is not None and ro.rollback_window and self._committed_since_boundary:
+            self._committed_since_boundary = False
+            self._record(capture(self, BOUNDARY, self._train_loader))  # the last step is complete
+        super().end_training()
+        if self.runtime is not None and self.runtime.session is not None:
+            self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
+        elif ro is not None:
+            _free(ro)
+            self.retained = None
+
+
+def _free(ro: Any) -> None:
+    """Free a store nothing else will attach to (no agent): unlink and unmap, once."""
+    if getattr(ro, "_leto_freed", False):
+        return
+    ro._leto_freed = True
+    ro.store.unlink()
+    ro.store.close()

@@ -1,0 +1,100 @@
+"""Binding the prepared model and optimizer to this rank's retained store.
+
+Why after ``prepare()`` (after device placement and the DDP wrap) and not before: Accelerate
+moves parameters (``cpu:0`` copies a ``cpu`` tensor), round-trips the optimizer's state dict
+and wraps the model; views bound before any of it would be replaced. DDP keeps the parameter
+objects, so re-pointing ``p.data`` and ``p.grad`` at retained views afterwards keeps every
+gradient DDP reduces in retained memory (with ``gradient_as_bucket_view=False``, DDP copies the
+reduced bucket into the existing ``.grad``).
+
+Three cases:
+
+- a new store (fresh start): the values after DDP's broadcast are copied in, parity encoded
+  (tier 2 across the node's ranks), the store marked complete, shadows told they may attach;
+- a continuation (a shadow, or ``LETO_RESUME=retained``): attach, bind views only, wait for
+  promotion fully built (level 3), then take the committed payload -- every rank's retained
+  parameters are the same committed values, so DDP's broadcast of the shadow's own initial
+  weights (among the shadows) never reaches retained memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...errors import UsageError
+from ...retained.config import RetainedConfig
+from ...retained.shm import new_job_id
+from ...retained.store import RetainedStore, StoreSpec
+from ...updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
+from ...updater.transaction import ParityCodes
+
+
+def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str, ranks: dict[str, int],
+           names: dict, barrier: Callable[[], None] | None, payload_fn: Callable[[], Any],
+           rollback_window: bool) -> RetainedOptimizer:
+    """A new store for this rank, bound, encoded (tier 2 too) and marked complete."""
+    config.check_devices(ranks["local_world_size"])
+    layout = layout_for(optimizer, config, names, whole_state=rollback_window)
+    spec = StoreSpec(job_id, ranks["rank"], ranks["node"], ranks["local_rank"], ranks["local_world_size"], layout,
+                     config)
+    try:
+        store = RetainedStore.create(spec)
+    except FileExistsError:
+        raise UsageError(
+            f"retained memory of job {job_id!r} rank {ranks['rank']} already exists: continue from it with "
+            f"LETO_RESUME=retained, or free it with `leto cleanup` (or leto_lightning.retained.shm.unlink_segments("
+            f"{job_id!r})) to start over") from None
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
+    ro.bind(adopt=False)
+    encode_node_parity(store, ranks, barrier)
+    if hasattr(store, "mark_complete"):
+        store.mark_complete()
+    return ro
+
+
+def attach(optimizer: torch.optim.Optimizer, job_id: str, rank: int, barrier: Callable[[], None] | None,
+           payload_fn: Callable[[], Any], rollback_window: bool) -> RetainedOptimizer:
+    """This rank's existing store, views bound (``resume()`` once promoted)."""
+    store = RetainedStore.attach(job_id, rank)
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
+    ro.bind(adopt=True, resume=False)
+    return ro
+
+
+def encode_node_parity(store: RetainedStore, ranks: dict[str, int], barrier: Callable[[], None] | None) -> None:
+    """Tier 2 spans the node's ranks: once every local rank bound its store, local rank 0 encodes
+    the stripes from all of them (each rank keeps them current by deltas afterwards)."""
+    if not store.spec.tier2.enabled:
+        return
+    if barrier is not None:
+        barrier()
+    if ranks["local_rank"] == 0:
+        first = ranks["rank"] - ranks["local_rank"]
+        peers = [RetainedStore.attach(store.spec.job_id, first + i) for i in range(1, ranks["local_world_size"])]
+        try:
+            encode_tier2([store, *peers], ParityCodes(store))
+        finally:
+            for peer in peers:
+                peer.close()
+    if barrier is not None:
+        barrier()
+
+
+def agreed_job_id(world_size: int) -> str:
+    """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
+    job = [new_job_id()]
+    if world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(job, src=0)
+    return job[0]
+
+
+def param_names(models: list[torch.nn.Module]) -> dict:
+    """Parameter -> name, from the unwrapped models (names in the store's layout and reports)."""
+    names: dict = {}
+    for model in models:
+        inner = getattr(model, "module", model)
+        for name, p in inner.named_parameters():
+            names.setdefault(p, name)
+    return names

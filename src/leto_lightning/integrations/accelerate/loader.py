@@ -1,0 +1,137 @@
+"""Prepared data loaders that know their position and can be put back at it.
+
+A prepared loader (Accelerate's ``DataLoaderShard``) gets a subclass of its own class (so
+``isinstance`` and every attribute hold) whose ``__iter__``:
+
+- records the epoch-start random state (the process's generators and the loader's own
+  ``synchronized_generator``/sampler generator): the shuffled order of a default
+  ``RandomSampler`` depends on it at ``iter()`` time, not on the epoch number;
+- counts the batches it yielded this pass (Accelerate's ``iteration`` counts the passes);
+- calls the accelerator's per-batch hook before each batch reaches the loop (heartbeats, the
+  resume payload of the step before, fault points);
+- after ``leto_resume()``: restores the epoch-start state, runs the pass from its start and
+  drops the batches the crashed run had consumed (the indices replay; their content is loaded
+  and discarded, so a costly dataset pays for them once), then restores the random state the
+  crashed run had at that point.
+
+Why drop batches instead of ``skip_first_batches``: the loop holds this very object (``for
+batch in train_dl``); a new loader would not be what it iterates. Prefetching: Accelerate
+fetches batch ``j + 1`` before yielding ``j``; the replay does the same, so the random state is
+restored at the same place relative to the fetches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from ...runtime.rng import generator_states, rng_states, set_generator_states, set_rng_states
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerator import LetoAccelerator
+
+_CLASSES: dict[type, type] = {}
+
+
+@dataclass
+class Position:
+    """Where a pass resumes: drop ``skip`` batches, then restore ``rng`` -- before the next
+    fetch (``at_yield=False``: the state of a step's prepare) or once the next batch is fetched,
+    just before it is yielded (``at_yield=True``: the state the per-batch hook saw)."""
+
+    skip: int
+    epoch_rng: dict
+    rng: dict
+    at_yield: bool
+
+
+class _PositionedLoader:
+    """Mixin placed before the prepared loader's class (see ``positioned``)."""
+
+    _leto_accelerator: "LetoAccelerator"
+    _leto_index: int
+    _leto_yielded: int
+    _leto_epoch_rng: dict | None
+    _leto_pending: Position | None
+
+    def _leto_generators(self) -> list[torch.Generator]:
+        found: list[torch.Generator] = []
+        for owner in (self, getattr(self, "base_dataloader", None)):
+            for g in (getattr(owner, "synchronized_generator", None), getattr(owner, "generator", None),
+                      getattr(getattr(owner, "sampler", None), "generator", None)):
+                if isinstance(g, torch.Generator) and all(g is not h for h in found):
+                    found.append(g)
+        batch_sampler = getattr(getattr(self, "base_dataloader", None), "batch_sampler", None)
+        inner = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)
+        g = getattr(inner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in found):
+            found.append(g)
+        return found
+
+    def _leto_random_state(self) -> dict:
+        return {"process": rng_states(), "loader": generator_states(self._leto_generators())}
+
+    def _leto_set_random_state(self, state: dict) -> None:
+        set_rng_states(state["process"])
+        set_generator_states(self._leto_generators(), state["loader"])
+
+    def __iter__(self) -> Iterator[Any]:
+        self._leto_accelerator._leto_iter_started(self)
+        pending, self._leto_pending = self._leto_pending, None
+        if pending is not None:
+            self._leto_set_random_state(pending.epoch_rng)
+        self._leto_epoch_rng = self._leto_random_state()
+        self._leto_yielded = 0
+        batches = super().__iter__()  # type: ignore[misc]
+        restore_at_yield = None
+        if pending is not None:
+            for _ in range(pending.skip):
+                if next(batches, _END) is _END:
+                    break
+                self._leto_yielded += 1
+            if pending.at_yield:
+                restore_at_yield = pending.rng
+            else:
+                self._leto_set_random_state(pending.rng)
+        for batch in batches:
+            if restore_at_yield is not None:
+                self._leto_set_random_state(restore_at_yield)
+                restore_at_yield = None
+            self._leto_accelerator._leto_before_batch(self)
+            self._leto_yielded += 1
+            yield batch
+
+    def leto_position(self) -> dict:
+        """This pass's position now: its epoch (Accelerate's pass counter), the batches yielded so
+        far (inside the per-batch hook: the ones before the batch about to be yielded), the
+        epoch-start random state and the random state now."""
+        return {"index": self._leto_index, "epoch": int(getattr(self, "iteration", 0)),
+                "yielded": self._leto_yielded, "epoch_rng": self._leto_epoch_rng, "rng": self._leto_random_state()}
+
+
+_END = object()
+_SET_CLASS = object.__dict__["__class__"].__set__
+
+
+def positioned(loader: Any, accelerator: "LetoAccelerator", index: int) -> Any:
+    """Turn a prepared loader into its positioned subclass, in place (the same object)."""
+    cls = type(loader)
+    if isinstance(loader, _PositionedLoader):
+        return loader
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Leto{cls.__name__}", (_PositionedLoader, cls), {"__module__": __name__})
+    # Accelerate's adapter reports the wrapped DataLoader's class as ``__class__`` (a property
+    # without a setter): set the real type through object's own slot.
+    _SET_CLASS(loader, _CLASSES[cls])
+    loader._leto_accelerator = accelerator
+    loader._leto_index = index
+    loader._leto_yielded = 0
+    loader._leto_epoch_rng = None
+    loader._leto_pending = None
+    return loader
+
+
+def is_positioned(loader: Any) -> bool:
+    return isinstance(loader, _PositionedLoader)

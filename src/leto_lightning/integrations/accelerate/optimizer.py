@@ -1,0 +1,59 @@
+"""The prepared optimizer of ``LetoAccelerator``: Accelerate's ``AcceleratedOptimizer`` whose
+real step is a retained transaction.
+
+``AcceleratedOptimizer.step`` keeps its semantics exactly -- nothing happens unless Accelerate
+syncs gradients at this micro-step; with a GradScaler the update runs inside
+``scaler.step()`` (skipped on inf/nan, ``step_was_skipped`` then true) followed by
+``scaler.update()``. Only the innermost call changes: where Accelerate calls the torch
+optimizer's ``step``, this runs ``LetoAccelerator._retained_step`` (prepare, chunk
+transactions, commit). The torch optimizer's own ``step`` attribute (wrapped by LR schedulers)
+is left alone, except for the moment Accelerate itself patches it inside ``scaler.step``.
+
+``zero_grad`` of the torch optimizer is the retained one (gradients are zeroed in place and stay
+views into retained memory), still called by Accelerate only on sync micro-steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+
+from ...errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerator import LetoAccelerator
+
+
+class LetoAcceleratedOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` stepping through retained memory (module doc)."""
+
+    def __init__(self, optimizer: Any, accelerator: "LetoAccelerator", device_placement: bool = True,
+                 scaler: Any = None) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
+        self._leto = accelerator
+        self._leto_step: Callable | None = None
+
+    def bind_step(self, step: Callable[[Callable | None], Any]) -> None:
+        """Once bound to retained memory: the retained step stands in for the torch step."""
+        self._leto_step = step
+        if self.scaler is not None:
+            self._leto_patched = patch_optimizer_step(self, step)
+
+    def step(self, closure: Callable | None = None) -> Any:
+        if not self.gradient_state.sync_gradients:
+            return None
+        if self._leto_step is None:
+            raise UsageError("LetoAccelerator: this optimizer is not bound to retained memory yet -- pass its model "
+                             "to accelerator.prepare() (in the same call or an earlier one) before the first step")
+        if self.scaler is None:
+            return self._leto_step(closure)
+        self.optimizer.step = self._leto_patched
+        try:
+            self.scaler.step(self.optimizer, closure)
+            self.scaler.update()
+        finally:
+            self.optimizer.step = self._optimizer_original_step_method
+        self._is_overflow = not self._accelerate_step_called
+        self._accelerate_step_called = False
+        return None

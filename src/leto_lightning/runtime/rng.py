@@ -1,0 +1,45 @@
+"""Random state a resume must put back: the process's generators, and a data loader's own.
+
+Launcher- and framework-neutral (the Accelerate integration's payloads use it).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterable
+
+import torch
+
+
+def rng_states() -> dict[str, Any]:
+    """torch (CPU, and CUDA when initialised), Python and NumPy generators."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        states["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        import numpy as np
+
+        np.random.set_state(states["numpy"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def generator_states(generators: Iterable[torch.Generator]) -> list[torch.Tensor]:
+    return [g.get_state() for g in generators]
+
+
+def set_generator_states(generators: Iterable[torch.Generator], states: list[torch.Tensor]) -> None:
+    for g, state in zip(generators, states):
+        g.set_state(state)
