@@ -67,7 +67,8 @@ def _dead_agents_lock(run_dir) -> int:
 def _other_local_addresses() -> list[str]:
     """This machine's IPv4 addresses other than loopback (from the kernel's routing table)."""
     try:
-        lines = open("/proc/net/fib_trie").read().splitlines()
+        with open("/proc/net/fib_trie") as f:
+            lines = f.read().splitlines()
     except OSError:
         return []
     found = {lines[i - 1].split()[-1] for i, line in enumerate(lines) if "/32 host LOCAL" in line and i}
@@ -117,7 +118,7 @@ def _replay_a_heartbeat(evil: dist.TCPStore, run_dir) -> None:
     agent has read it, then the older one again -- until the agent reports both."""
     while True:
         old = evil.get("hb/0")
-        wait_for(lambda: evil.get("hb/0") not in (old, b""), 120, "a newer heartbeat")
+        wait_for(lambda old=old: evil.get("hb/0") not in (old, b""), 120, "a newer heartbeat")
         newer = evil.get("hb/0")
         writer = json.loads(newer.split(b".", 3)[3])["pid"]  # the value after the signature
         try:
@@ -144,7 +145,9 @@ def _replay_a_heartbeat(evil: dist.TCPStore, run_dir) -> None:
 
 
 def _listening_address(port: int) -> str:
-    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+    with open("/proc/net/tcp") as f:
+        table = f.read().splitlines()[1:]
+    for line in table:
         local, state = line.split()[1], line.split()[3]
         if state == "0A" and int(local.split(":")[1], 16) == port:
             return socket.inet_ntoa(bytes.fromhex(local.split(":")[0])[::-1])

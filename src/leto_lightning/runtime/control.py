@@ -24,8 +24,8 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Callable, Iterable
 
 import torch.distributed as dist
 

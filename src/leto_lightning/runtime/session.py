@@ -29,13 +29,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigurationError
 from ..faults.points import point, set_hook
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
-from ..errors import ConfigurationError
 from . import auth, keys
 from .control import SignedStore
 from .storage import atomic_torch_save
@@ -62,7 +62,7 @@ class SessionEnv:
     faults: list = field(default_factory=list)
 
     @classmethod
-    def from_environ(cls, env=os.environ) -> "SessionEnv":
+    def from_environ(cls, env=os.environ) -> SessionEnv:
         missing = [k for k in ("LETO_ROLE", "RANK", "WORLD_SIZE", "MASTER_PORT", "LETO_JOB_ID") if k not in env]
         if missing:
             raise RuntimeError(f"not started by `leto launch` (missing {', '.join(missing)}); run the script with "
@@ -128,7 +128,7 @@ class Session:
 
     def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: RetainedConfig | None = None, start_iteration: int = 0,
-                payload: object = None) -> "ProtectedTraining":
+                payload: object = None) -> ProtectedTraining:
         """Bind ``model``/``optimizer`` to retained memory; returns where to start.
 
         A fresh job (or a restart from a checkpoint: pass the checkpoint's next iteration and
