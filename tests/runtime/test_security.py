@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from leto_lightning.runtime import rundir
+from leto_lightning.errors import LetoTimeoutError
+from leto_lightning.runtime import auth, rundir
 from leto_lightning.runtime.control import SignedStore, host_store
 from leto_lightning.runtime.events import read_events
 from leto_lightning.runtime.session import UnsafeCheckpoint, load_checkpoint_file
@@ -290,3 +291,28 @@ def test_a_planted_pickle_is_refused_not_run(tmp_path):
     with pytest.raises(UnsafeCheckpoint, match=r"rank0\.pt.*GLOBAL posix\.system"):
         load_checkpoint_file(str(path))
     assert not marker.exists()
+
+
+def test_nodes_share_the_secret_or_stop_saying_how(tmp_path, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    raw, port = host_store("127.0.0.1", 0, timedelta(seconds=10))
+    node1 = _client(port)
+    auth.write_secret_file(str(tmp_path), b"s" * 32)  # a stale secret of an earlier job
+    mine = auth.job_secret(raw, 0, 2, str(tmp_path), None, timeout=5)  # node 0: a fresh one, to the run dir
+    assert mine != b"s" * 32 and stat.S_IMODE(os.stat(tmp_path / auth.SECRET_FILE).st_mode) == 0o600
+    assert auth.job_secret(node1, 1, 2, str(tmp_path), None, timeout=5) == mine  # read from the shared run dir
+    monkeypatch.setenv(auth.SECRET_ENV, "another-secret-of-20")  # node 1 was given a different one
+    with pytest.raises(LetoTimeoutError, match="differs from node 0's"):
+        auth.job_secret(node1, 1, 2, str(tmp_path), None, timeout=0.3)
+    monkeypatch.setenv(auth.SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16"):
+        auth.job_secret(node1, 1, 2, str(tmp_path), None, timeout=0.3)
+    secret_file = tmp_path / "given.secret"
+    secret_file.write_text("a-secret-in-a-file-0123\n")
+    secret_file.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        auth.user_secret(str(secret_file))
+    secret_file.chmod(0o600)
+    assert auth.user_secret(str(secret_file)) == b"a-secret-in-a-file-0123"
+    del node1, raw
