@@ -33,13 +33,17 @@ class _LetoConfigBase:
     """Methods of ``LetoConfig`` (its fields are made from the two option classes below)."""
 
     def __post_init__(self) -> None:
-        level = LetoRuntimeOptions.parse_level(getattr(self, "shadow_level"))
-        object.__setattr__(self, "shadow_level", level)
         if not isinstance(getattr(self, "rollback_window"), bool):
             raise ConfigurationError(f"rollback_window={getattr(self, 'rollback_window')!r}: choose True (the exact "
                                      "mode: user code after opt.step() is redone after a crash) or False")
         self.retained_config()  # raises ConfigurationError naming the value and the fix
-        self.runtime_options()
+        try:  # LetoRuntimeOptions raises plain ValueErrors: the same messages, from the error root
+            object.__setattr__(self, "shadow_level", LetoRuntimeOptions.parse_level(getattr(self, "shadow_level")))
+            self.runtime_options()
+        except ConfigurationError:
+            raise
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
 
     def retained_config(self) -> RetainedConfig:
         return RetainedConfig(**{f.name: getattr(self, f.name) for f in _RETAINED})
