@@ -11,7 +11,7 @@ from .agent import Agent, LaunchSpec
 from ..errors import ConfigurationError
 from .config import ClassificationRule, RuntimeConfig
 from .storage import usable_run_dir
-from .rundir import DEFAULT_MODE, parse_mode
+from .rundir import DEFAULT_MODE, mode_argument
 
 
 def add_parser(subparsers) -> None:
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT", 0)),
                    help="TCPStore port (0: a free port; single node only)")
     p.add_argument("--run-dir", default=None, help="events, checkpoints, outputs (default: leto-runs/<time>)")
-    p.add_argument("--run-dir-mode", type=parse_mode, default=DEFAULT_MODE, metavar="MODE",
+    p.add_argument("--run-dir-mode", type=mode_argument, default=DEFAULT_MODE, metavar="MODE",
                    help="permissions of the run dir (default 0700; files get them without x bits: 0600). "
                         "E.g. 0750 lets your group read it (docs/security.md)")
     p.add_argument("--secret-file", default=None, metavar="PATH",

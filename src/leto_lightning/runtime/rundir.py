@@ -68,6 +68,16 @@ def parse_mode(text: str) -> int:
     return mode
 
 
+def mode_argument(text: str) -> int:
+    """``parse_mode`` for argparse: the reason reaches the user (argparse hides a ValueError's)."""
+    import argparse
+
+    try:
+        return parse_mode(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def prepare(path: str, mode: int = DEFAULT_MODE) -> None:
     """Create ``path`` (and missing parents) with ``mode``; narrow an existing one of ours to it."""
     try:
