@@ -3,14 +3,61 @@
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import pytest
 
-from leto_lightning.retained.shm import SEGMENT_PREFIX, list_segments
+from leto_lightning.retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments
 
-# Segments made by this test session carry this prefix; leak checks look at those only.
+# Job ids made by new_job_id() in this session (and every process it starts) carry this prefix,
+# so that concurrent sessions on one machine tell their segments apart. The leak guard does not
+# rely on it: a job id given explicitly (LETO_JOB_ID, job_id=...), or an environment that drops
+# the prefix, still makes /dev/shm/leto-* segments, and those are checked too.
 os.environ["LETO_JOB_PREFIX"] = f"t{os.getpid()}x"
 OURS = SEGMENT_PREFIX + os.environ["LETO_JOB_PREFIX"]
+_SESSION = re.compile(re.escape(SEGMENT_PREFIX) + r"t(\d+)x")
+
+
+def _another_session(name: str) -> bool:
+    """Named with the prefix of another pytest session that is still running."""
+    match = _SESSION.match(name)
+    if match is None or int(match.group(1)) == os.getpid():
+        return False
+    return os.path.exists(f"/proc/{match.group(1)}")
+
+
+def _used_by_others(names: set[str]) -> set[str]:
+    """Those of ``names`` some process other than this one maps or holds open: another job's
+    live memory (this session's children are checked separately, by the orphan check)."""
+    paths = {os.path.join(SHM_DIR, n): n for n in names}
+    found: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(paths[p] for p in (line.rstrip("\n").split(maxsplit=5)[-1] for line in f) if p in paths)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target in paths:
+                    found.add(paths[target])
+        except OSError:
+            pass
+    return found
+
+
+def _leaked(before: set[str], grace: float = 3.0) -> set[str]:
+    """Segments that appeared since ``before`` and that nobody else accounts for. Rare by
+    construction, so only then: another job on the machine may be between its trainers' exit
+    and its agent's cleanup, so such segments must stay for ``grace`` seconds to count."""
+    deadline = time.monotonic() + grace
+    while True:
+        new = {n for n in set(list_segments(SEGMENT_PREFIX)) - before if not _another_session(n)}
+        new = new - _used_by_others(new) if new else new
+        if not new or time.monotonic() > deadline:
+            return new
+        time.sleep(0.2)
 
 
 def _children() -> set[int]:
@@ -30,11 +77,12 @@ def _children() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Fail a test that leaves a leto shared-memory segment or a child process behind."""
-    before_segments = set(list_segments(OURS))
+    """Fail a test that leaves a leto shared-memory segment (any ``/dev/shm/leto-*``, whatever its
+    job id) or a child process behind."""
+    before_segments = set(list_segments(SEGMENT_PREFIX))
     before_children = _children()
     yield
-    leaked = set(list_segments(OURS)) - before_segments
+    leaked = _leaked(before_segments)
     orphans = _children() - before_children
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
     assert not orphans, f"child processes left running: {sorted(orphans)}"

@@ -119,11 +119,27 @@ def fit(cfg: RunConfig) -> dict:
     trainer = trainer_for(cfg)
     train, val = dataloaders(own_sampler=cfg.devices == 1)
     torch.manual_seed(99)  # the RNG the run starts from (dropout draws from it)
+    record = _FinalRecord()
+    trainer.callbacks.append(record)
     trainer.fit(model, train, val, ckpt_path=cfg.ckpt_path)
     out = snapshot(trainer, model)
+    out["record"] = record.record
     out["callbacks"] = {type(c).__name__: callback_summary(c) for c in trainer.callbacks
                         if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")}
     return out
+
+
+class _FinalRecord(pl.Callback):
+    """The retained progress record as the fit ends (LetoStrategy; None otherwise): read in
+    ``on_train_end``, as a completed fit frees its retained memory right after."""
+
+    def __init__(self) -> None:
+        self.record: dict | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        retained = getattr(trainer.strategy, "retained", None)
+        if retained is not None:
+            self.record = retained.store.record.read().payload
 
 
 def callback_summary(callback: pl.Callback) -> dict:

@@ -12,7 +12,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import StrategyRegistry
 
-from leto_lightning.faults.crash import ChildError, run_in_child
+from leto_lightning.faults.crash import ChildError, KillPoint, run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy, _autoregister, register
 from leto_lightning.integrations.lightning.proxy import proxy_for, real_optimizer
 from leto_lightning.retained.config import RetainedConfig
@@ -70,11 +70,12 @@ def test_trainer_by_name_uses_env_job_id(job: str) -> None:
     def child() -> dict:
         os.environ["LETO_JOB_ID"] = job
         out = fit(RunConfig(strategy="leto", max_epochs=1))
-        return {"step": out["global_step"], "segments": list_segments(f"leto-{job}-")}
+        return {"step": out["global_step"], "record": out["record"], "after": list_segments(f"leto-{job}-")}
 
     out = run_in_child(child).value
     assert out["step"] == 5
-    assert out["segments"], "the named strategy allocated no retained memory under LETO_JOB_ID"
+    assert out["record"] is not None, "the named strategy allocated no retained memory under LETO_JOB_ID"
+    assert out["after"] == [], "a completed fit left its retained memory behind"
 
 
 def test_options_build_retained_config() -> None:
@@ -139,7 +140,9 @@ def test_rejected_at_setup_with_advice(case: str, message: str, job: str) -> Non
 
 
 def test_existing_store_is_not_overwritten(job: str) -> None:
-    run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)))
+    crashed = run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)),
+                           kill_at=KillPoint("prepare.begin", 3))  # a crash keeps the store for a resume
+    assert crashed.killed
     with pytest.raises(ChildError, match="already exists: continue from it"):
         run_in_child(lambda: fit(RunConfig(strategy=LetoStrategy(job_id=job), max_epochs=1)))
 
@@ -150,14 +153,18 @@ def test_second_fit_in_the_same_process_starts_a_new_store(job: str) -> None:
         trainer = trainer_for(RunConfig(strategy=strategy, max_epochs=1))
         model = TinyModule()
         train, val = dataloaders()
+        stores = []
+        trainer.callbacks.append(pl.Callback())
+        trainer.callbacks[-1].on_train_end = lambda *_: stores.append((strategy.retained.store,
+                                                                       strategy.retained.iteration))
         trainer.fit(model, train, val)
-        first = strategy.retained.store
         trainer.fit_loop.max_epochs = 2
         trainer.fit(model, train, val)  # continues training: a fresh optimizer, hence a fresh store
-        return first is not strategy.retained.store, strategy.retained.iteration, trainer.global_step
+        (first, _), (second, iteration) = stores
+        return first is not second, iteration, trainer.global_step, strategy.retained is None
 
-    new_store, iteration, step = run_in_child(child).value
-    assert new_store and (iteration, step) == (5, 10)
+    new_store, iteration, step, freed = run_in_child(child).value
+    assert new_store and (iteration, step) == (5, 10) and freed
 
 
 def test_proxy_is_an_instance_of_the_optimizer_class() -> None:

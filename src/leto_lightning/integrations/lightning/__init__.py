@@ -26,15 +26,29 @@ __all__ = [*_EXPORTS, "register"]
 
 
 def register() -> None:
-    """Register ``"leto"`` with ``lightning.pytorch``'s ``StrategyRegistry`` (idempotent)."""
-    loading = sys.modules.get(f"{__name__}.strategy")
-    if loading is not None and not hasattr(loading, "LetoStrategy"):
-        return  # strategy.py itself is importing Lightning; it registers when it is complete
+    """Register ``"leto"`` with ``lightning.pytorch``'s ``StrategyRegistry`` (idempotent).
+
+    Runs right after ``lightning.pytorch`` has executed, which may be in the middle of importing
+    one of this package's modules (``import ...lightning.callback`` imports Lightning first):
+    then ``strategy.py`` cannot be imported yet, so a factory that imports it on first use is
+    registered; ``strategy.py`` replaces it with the class once it is complete."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    strategy = sys.modules.get(f"{__name__}.strategy")
+    if strategy is not None and hasattr(strategy, "LetoStrategy"):
+        strategy.LetoStrategy.register_strategies(StrategyRegistry)
+    elif "leto" not in StrategyRegistry:
+        StrategyRegistry.register("leto", _make_strategy, description=_DESCRIPTION)
+
+
+_DESCRIPTION = "Leto: DDP with retained optimizer state and in-place recovery"
+
+
+def _make_strategy(**kwargs: Any) -> Any:
+    """``StrategyRegistry.get("leto")`` before ``strategy.py`` was imported: import it now."""
     from .strategy import LetoStrategy
 
-    LetoStrategy.register_strategies(StrategyRegistry)
+    return LetoStrategy(**kwargs)
 
 
 def __getattr__(name: str) -> Any:

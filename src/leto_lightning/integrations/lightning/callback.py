@@ -47,6 +47,11 @@ class LetoLoopStateCallback(Callback):
     def attach(self, strategy: "LetoStrategy") -> None:
         self._strategy = strategy
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy(trainer.callbacks)``, ``torch.save(trainer)``) is detached: it
+        records nothing until a strategy attaches it, and holds no retained memory."""
+        return dict(self.__dict__, _strategy=None)
+
     @property
     def state_key(self) -> str:
         return "LetoLoopStateCallback"

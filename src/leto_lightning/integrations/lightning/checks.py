@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import inspect
+
 import torch
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+from ...errors import ConfigurationError
 from ...updater.retained_optimizer import optimizer_family
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,11 +71,68 @@ def the_optimizer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> torch.opti
         raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
                          f"{len(strategy.optimizers)}")
     optimizer = strategy.optimizers[0]
+    if isinstance(optimizer, _MockOptimizer):
+        raise ConfigurationError("configure_optimizers() returned None: LetoStrategy protects the optimizer's state "
+                                 "and the updates, and this fit has neither -- return an optimizer, or train "
+                                 "without one under strategy='ddp'")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
                          "-- use another optimizer with LetoStrategy")
     if type(optimizer).__module__.startswith("torch.distributed"):
         raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
                          "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
-    optimizer_family(optimizer)  # raises for fused / capturable / differentiable
+    if optimizer_family(optimizer) == "generic":  # raises for fused / capturable / differentiable
+        check_closure_use(optimizer, trainer.lightning_module.automatic_optimization)
     return optimizer
+
+
+def check_closure_use(optimizer: torch.optim.Optimizer, automatic: bool) -> None:
+    """An optimizer stepped by its own ``step()`` (every one but SGD, Adam, AdamW) must work the
+    way a retained transaction calls it: the closure (forward, backward) runs once before the
+    transaction, then ``step()`` without a closure. Checked on throwaway instances of the class
+    (the real optimizer is untouched), before any memory is allocated.
+
+    In automatic optimization an optimizer whose ``step(closure)`` never calls the closure
+    trains nothing under DDP: Lightning stops at the first step ("The closure hasn't been
+    executed"). A transaction would run the closure itself and hide that, so it is refused."""
+    name = type(optimizer).__name__
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        return torch.zeros(())
+
+    without, with_closure = _throwaway(optimizer), _throwaway(optimizer)
+    try:
+        without.step()
+        if automatic:
+            with_closure.step(closure)
+    except Exception as exc:  # the optimizer's own code: whatever it raises means "cannot step like this"
+        raise ConfigurationError(
+            f"{name}.step() cannot run without a closure ({type(exc).__name__}: {exc}). LetoStrategy runs the "
+            "closure (forward and backward) once, then step() inside a retained transaction; an optimizer that "
+            "evaluates the closure inside step() (SAM-like, or a step(closure) that calls it unconditionally) "
+            "cannot be protected -- make closure optional in step(), use another optimizer, or strategy='ddp'"
+        ) from exc
+    if automatic and len(calls) != 1:
+        what = "never calls its closure" if not calls else f"calls its closure {len(calls)} times"
+        raise ConfigurationError(
+            f"{name}.step(closure) {what}: Lightning's automatic optimization expects one call (under DDP it "
+            "stops with 'The closure hasn't been executed' when there is none), and a retained transaction runs "
+            "the closure exactly once -- call closure() once in step(), or use manual optimization")
+
+
+def _throwaway(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A new instance of ``optimizer``'s class on one parameter with a gradient, built from its
+    defaults (as ``updater.whole_state.probe_state`` builds it)."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), 0.5)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    try:
+        return type(optimizer)([param], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    except Exception as exc:  # the optimizer's own constructor
+        raise ConfigurationError(
+            f"{type(optimizer).__name__} cannot be rebuilt from its defaults ({type(exc).__name__}: {exc}): "
+            "LetoStrategy learns the layout of its state from a throwaway instance -- wrapper optimizers "
+            "(SAM-like, taking a base optimizer) are not supported; use the optimizer itself, or strategy='ddp'"
+        ) from exc

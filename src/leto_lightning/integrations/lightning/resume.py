@@ -41,17 +41,30 @@ _STEP_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
 
 # -- random state ----------------------------------------------------------------------------
 def rng_states() -> dict[str, Any]:
-    """torch (CPU, and CUDA when initialised), Python and NumPy generators."""
+    """torch (CPU, and CUDA when initialised), Python and NumPy generators.
+
+    Tensors and plain Python values only, so that every checkpoint holding a payload loads with
+    ``torch.load(weights_only=True)`` (what Lightning and torch >= 2.6 use): NumPy's state is
+    kept as its parts, the key array as a list of ints (``numpy_state`` restores it exactly)."""
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
-
-        states["numpy"] = np.random.get_state()
     except ImportError:  # pragma: no cover - numpy is optional
-        pass
+        np = None
+    if np is not None:
+        name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        states["numpy"] = (str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached_gaussian))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
+
+
+def numpy_state(parts: tuple | list) -> tuple:
+    """The argument of ``numpy.random.set_state`` from the parts ``rng_states`` keeps."""
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached_gaussian = parts
+    return (name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached_gaussian))
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
@@ -60,7 +73,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "numpy" in states:
         import numpy as np
 
-        np.random.set_state(states["numpy"])
+        np.random.set_state(numpy_state(states["numpy"]))
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
 

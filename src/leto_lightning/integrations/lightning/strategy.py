@@ -23,6 +23,7 @@ docs/lightning.md):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from typing import Any, Callable, Optional
 
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader
 import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ...faults.points import point
@@ -55,6 +56,7 @@ from .runtime_link import RuntimeLink
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
 STRATEGY_NAME = "leto"
+log = logging.getLogger(__name__)
 
 
 class LetoStrategy(DDPStrategy):
@@ -103,12 +105,23 @@ class LetoStrategy(DDPStrategy):
         self._optimizers_ready = False
         self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled or deep-copied strategy (``torch.save(trainer)``, ``copy.deepcopy``) is a
+        detached copy, as a pickled DDP strategy is: no retained memory, step proxy, loaders or
+        link to ``leto launch`` travel with it -- those belong to this process's fit."""
+        return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, _train_loaders=None)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._train_loaders = weakref.WeakSet()
+
     # -- registration ----------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"leto"`` once; the inherited method would re-register every ``ddp*`` name."""
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls,
+        entry = dict.get(strategy_registry, STRATEGY_NAME)  # the registry's own get() instantiates
+        if entry is None or entry["strategy"] is not cls:  # absent, or the package's import-time factory
+            strategy_registry.register(STRATEGY_NAME, cls, override=True,
                                        description="Leto: DDP with retained optimizer state and in-place recovery")
 
     @property
@@ -239,7 +252,7 @@ class LetoStrategy(DDPStrategy):
         path = self._ckpt_file  # resolved as Lightning resolves it (resolve_fit_ckpt_path)
         if path is None:
             return 0, None
-        ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=False)
+        ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # tensors and plain values only
         if len(ckpt.get("optimizer_states", ())) != 1:
             raise ValueError(f"{path}: LetoStrategy resumes a checkpoint of exactly one optimizer")
         self.lightning_module.load_state_dict(ckpt["state_dict"], strict=self.lightning_module.strict_loading)
@@ -425,11 +438,52 @@ class LetoStrategy(DDPStrategy):
             apply_param_groups(optimizer, state["param_groups"])
 
     def teardown(self) -> None:
+        module = self._lightning_module
+        trainer = module._trainer if module is not None else None
+        ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         super().teardown()
+        if ends_fit and self.retained is not None and not self._resume_can_follow(trainer):
+            self._free_retained()
         self._proxy = None
         self._resume_next_fit = False
         self._ckpt_file = None
         self._file_checkpoint = None
+
+    def _resume_can_follow(self, trainer: "pl.Trainer") -> bool:
+        """Whether the fit that ends here leaves retained memory someone resumes from.
+
+        Under ``leto launch`` the agent owns it (and frees it when the job ends). Without it, a
+        fit that completed leaves nothing to resume, and neither does a single process that
+        raised (an exception, ``KeyboardInterrupt``): it is alive and nothing else maps its store.
+        With several ranks started by hand, a peer's death reaches this rank as an exception, and
+        the caller's recovery (``recover_node``, ``fit(ckpt_path="leto://retained")``) needs every
+        store: they are kept, and ``leto cleanup --list`` shows them. A process that died frees
+        nothing by itself, as designed."""
+        if self.runtime is not None:
+            return True
+        if trainer.state.status != TrainerStatus.INTERRUPTED or self.world_size <= 1:
+            return False
+        log.warning("LetoStrategy: the fit was interrupted; rank %d keeps the retained memory of job %r for a resume "
+                    "(fit(ckpt_path=%r)); free it with `leto cleanup --job %s`", self.global_rank, self.job_id,
+                    RETAINED_CKPT, self.job_id)
+        return True
+
+    def _free_retained(self) -> None:
+        """Copy parameters, gradients and optimizer state out of retained memory (the module and
+        the optimizer stay usable: ``trainer.test()``, ``state_dict()``), then free the store."""
+        ro = self.retained
+        assert ro is not None
+        with torch.no_grad():
+            for p in ro.params:
+                p.data = p.data.clone()
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+            for state in ro.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.clone()
+        ro.optimizer.__dict__.pop("zero_grad", None)  # the instance attribute _bind_retained set
+        self.release(unlink=True)
 
     def release(self, unlink: bool = False) -> None:
         """Drop this process's mappings; ``unlink=True`` also frees the job's retained memory

@@ -29,7 +29,7 @@ run ahead of Lightning's step, can see a step twice or lose one.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -45,24 +45,10 @@ class TensorBoardContinuity:
         self.tail: list[tuple[dict, int]] = []  # log_metrics calls at last_step, in order
         self.skip_hparams = False
         self._in_hparams = False
-        log_metrics, log_hyperparams = logger.log_metrics, logger.log_hyperparams
-
-        def tracked(metrics: Any, step: int | None = None) -> None:
-            log_metrics(metrics, step)
-            if not self._in_hparams:
-                self._track(metrics, step)
-
-        def hyperparams(*args: Any, **kwargs: Any) -> None:
-            if self.skip_hparams:
-                return
-            self._in_hparams = True
-            try:
-                log_hyperparams(*args, **kwargs)
-            finally:
-                self._in_hparams = False
-
-        logger.log_metrics = tracked  # type: ignore[method-assign]
-        logger.log_hyperparams = hyperparams  # type: ignore[method-assign]
+        # Instance attributes that pickle (``torch.save(trainer)``, ``copy.deepcopy``): the class's
+        # own functions by name, not closures over the bound methods.
+        logger.log_metrics = _Tracked(self, type(logger).log_metrics)  # type: ignore[method-assign]
+        logger.log_hyperparams = _Hyperparams(self, type(logger).log_hyperparams)  # type: ignore[method-assign]
 
     @classmethod
     def of(cls, logger: TensorBoardLogger) -> "TensorBoardContinuity":
@@ -123,6 +109,36 @@ class TensorBoardContinuity:
         for metrics, step in tail:
             logger.log_metrics(metrics, step)
         experiment.flush()
+
+
+class _Tracked:
+    """``logger.log_metrics``: the logger's own, then recorded for the resume payload."""
+
+    def __init__(self, keeper: TensorBoardContinuity, log_metrics: Callable[..., None]) -> None:
+        self.keeper, self.log_metrics = keeper, log_metrics
+
+    def __call__(self, metrics: Any, step: int | None = None) -> None:
+        keeper = self.keeper
+        self.log_metrics(keeper.logger, metrics, step)
+        if not keeper._in_hparams:
+            keeper._track(metrics, step)
+
+
+class _Hyperparams:
+    """``logger.log_hyperparams``: skipped in a resumed process that keeps the first one's."""
+
+    def __init__(self, keeper: TensorBoardContinuity, log_hyperparams: Callable[..., None]) -> None:
+        self.keeper, self.log_hyperparams = keeper, log_hyperparams
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        keeper = self.keeper
+        if keeper.skip_hparams:
+            return
+        keeper._in_hparams = True
+        try:
+            self.log_hyperparams(keeper.logger, *args, **kwargs)
+        finally:
+            keeper._in_hparams = False
 
 
 def event_file(experiment: Any) -> str | None:
