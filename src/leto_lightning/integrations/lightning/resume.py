@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import random
+import weakref
 from typing import Any
 
 import torch
@@ -79,11 +80,20 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 # -- capture ---------------------------------------------------------------------------------
+_PARAM_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
 def non_parameter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent buffers and extra state (e.g. BatchNorm statistics): not retained, so copied."""
-    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    """Persistent buffers and extra state (e.g. BatchNorm statistics): not retained, so copied.
+
+    Captured twice per step, so the parameter names are looked up once per module; a parameter
+    added later is still left out (``keep_vars=True`` hands it over as an ``nn.Parameter``)."""
+    params = _PARAM_NAMES.get(module)
+    if params is None:
+        params = _PARAM_NAMES[module] = frozenset(name for name, _ in module.named_parameters(remove_duplicate=False))
     return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-            for k, v in module.state_dict().items() if k not in params}
+            for k, v in module.state_dict(keep_vars=True).items()
+            if k not in params and not isinstance(v, torch.nn.Parameter)}
 
 
 _capturing = False

@@ -45,6 +45,7 @@ from ...updater.transaction import COMMITTED, ParityCodes
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
+from .frozen import FrozenPayload
 from .environment import LetoEnvironment, under_leto_launch
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
@@ -53,6 +54,7 @@ from . import plateau
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
 from .runtime_link import RuntimeLink
+from .versions import check_lightning
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
 STRATEGY_NAME = "leto"
@@ -73,6 +75,7 @@ class LetoStrategy(DDPStrategy):
     def __init__(self, *, retained: RetainedConfig | None = None, job_id: str | None = None,
                  resume: str | None = None, shadow_level: int | str = 3, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 60.0, **kwargs: Any) -> None:
+        check_lightning()  # at Trainer(...): an untested Lightning is refused before anything runs
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _RETAINED_FIELDS}
         if retained is not None and fields:
             raise ValueError(f"pass retained=RetainedConfig(...) or {sorted(fields)}, not both")
@@ -216,7 +219,8 @@ class LetoStrategy(DDPStrategy):
     def _bind_retained(self, trainer: "pl.Trainer") -> None:
         optimizer = the_optimizer(self, trainer)
         self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
-        payload_fn: Callable[[], Any] = lambda: self.loop_state.payload_at_prepare(trainer)
+        # pickled once: the prepare and commit records write the same payload (frozen.py)
+        payload_fn: Callable[[], Any] = lambda: FrozenPayload(self.loop_state.payload_at_prepare(trainer))
         module = self.lightning_module
         # Manual optimization steps inside training_step: the update stays open (rolled back by
         # recovery) until the batch ends, which needs the whole-state undo copy (docs/lightning.md).
@@ -328,10 +332,11 @@ class LetoStrategy(DDPStrategy):
         payload; the record's two slots keep the previous one until this write is complete)."""
         ro = self.retained
         assert ro is not None
+        frozen = FrozenPayload(payload)  # manual optimization keeps it to write again (as "before")
         if ro.rollback_window:
-            ro.seal(payload)  # manual optimization: the batch's update is kept from here on
+            ro.seal(frozen)  # manual optimization: the batch's update is kept from here on
             return
-        ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": payload})
+        ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": frozen})
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_train_start(self) -> None:
