@@ -279,6 +279,9 @@ def run_interleaved(variants: list[Reference], batches: list[torch.Tensor], warm
     return times
 
 
+INTEGRITY_ROW = "metadata checksums, mirror, 2 undo headers (inside the rows above)"
+
+
 def profile_rmu(rmu: RetainedUpdate, batches: list[torch.Tensor], steps: int) -> list[tuple[str, float]]:
     """Mean ms per ``ro.step()`` in each sub-step (timer wrappers; indented rows are parts of the row above).
 
@@ -327,6 +330,9 @@ def profile_rmu(rmu: RetainedUpdate, batches: list[torch.Tensor], steps: int) ->
     wrap(T, "apply_update", "  AdamW math")
     wrap(T, "checksum", lambda: "    grad checksums" if where["in_prepare"] else "  page checksums")
     wrap(rmu.ro.store.record, "write", "progress-record writes (in prepare/commit)")
+    meta = getattr(txn, "meta", None)  # the integrity metadata (checksum words, mirror, two undo headers)
+    for name in ("seal_chunk", "mirror_chunk", "write_header", "seal_grads"):
+        wrap(meta, name, INTEGRITY_ROW)
     total = 0.0
     try:
         for i in range(steps):
@@ -343,7 +349,7 @@ def profile_rmu(rmu: RetainedUpdate, batches: list[torch.Tensor], steps: int) ->
     ms = {label: 1e3 * v / steps for label, v in acc.items()}
     order = ["prepare (total)", "  grad checksums + grad parity", "    grad checksums", "update_chunks (total)",
              "  undo copy", "  build chunk views", "  AdamW math", "  tier-1 parity delta", "  tier-2 parity delta",
-             "  page checksums", "commit (record)", "progress-record writes (in prepare/commit)"]
+             "  page checksums", "commit (record)", "progress-record writes (in prepare/commit)", INTEGRITY_ROW]
     rows = [("ro.step() (total)", 1e3 * total / steps)] + [(k, ms[k]) for k in order if k in ms]
     if "update_chunks (total)" in ms:
         parts = sum(ms.get(k, 0.0) for k in order[4:10])

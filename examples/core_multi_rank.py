@@ -76,6 +76,8 @@ def rank_main(rank: int, job_id: str, port: int) -> None:
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    build()  # before forking: the ranks then share the parent's already imported optimizer machinery
     job_id = new_job_id()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -44,11 +44,12 @@ def make_base(scenario: CoreScenario, reference, name: str, steps: int) -> BaseS
         assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=KillPoint("compute.begin")).killed
         resume = steps
     else:
-        assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=KillPoint("chunk.tier1_partial", 3)).killed
+        torn = KillPoint("whole.math_done") if scenario.optimizer.endswith("_whole") else KillPoint("chunk.tier1_partial", 3)
+        assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=torn).killed
         run_in_child(lambda: _shadow_step(job, 1, steps))
         resume = steps + 1
     saved = {seg.name: seg.tensor.clone() for s in job.stores for seg in s.segments.values()}
-    base = BaseState(name, job, saved, resume, reference)
+    base = BaseState(f"{scenario.optimizer}/{name}", job, saved, resume, reference)
     stores = {r: RetainedStore.attach(job.job_id, r) for r in range(scenario.n_ranks)}
     recover_node(stores)
     base.golden = {r: retained_state(s) for r, s in stores.items()}
@@ -128,7 +129,7 @@ def run_damage_case(base: BaseState, kind: str, seed: int) -> tuple[str, str]:
             wrong = _continue_and_compare(job, base)
         return ("WRONG", f"{done}: {wrong}") if wrong else ("exact", "")
     except RetainedStateError as exc:
-        return "reported", f"{done}: {type(exc).__name__}"
+        return "reported", f"{done}: {type(exc).__name__}: {exc}"
     except LetoError as exc:
         return "BAD ERROR", f"{done}: {type(exc).__name__}: {exc}"
     except Exception as exc:  # anything else escaping recovery or bind is a defect
@@ -154,7 +155,8 @@ def _continue_and_compare(job, base: BaseState) -> list[str]:
 def table(counts: Counter) -> str:
     outcomes = sorted({o for _, o in counts})
     kinds = sorted({k for k, _ in counts})
-    lines = ["kind      " + "".join(f"{o:>12}" for o in outcomes)]
+    width = max(len(k) for k in kinds) + 2
+    lines = ["kind".ljust(width) + "".join(f"{o:>10}" for o in outcomes)]
     for k in kinds:
-        lines.append(f"{k:<10}" + "".join(f"{counts[(k, o)]:>12}" for o in outcomes))
+        lines.append(k.ljust(width) + "".join(f"{counts[(k, o)]:>10}" for o in outcomes))
     return "\n".join(lines)

@@ -22,7 +22,7 @@ class RetainedConfig:
                   repairs the loss of H2 whole devices' state. Ignored with a single device.
     protect_grads: keep tier-1 parity over the retained gradients too, so a roll-forward
                   survives a damaged gradient page.
-    record_bytes: capacity of one progress-record slot (two slots are kept).
+    record_bytes: capacity of one progress-record slot (four are kept: the newest two entries, twice each).
     engine:       erasure engine: "auto" (ISA-L when available, else torch), "isal", "torch".
     backend:      where the ``data`` and ``undo`` segments live: "cpu" (POSIX shared memory) or
                   "cuda" (device memory owned by a state-manager process, opened through CUDA IPC;

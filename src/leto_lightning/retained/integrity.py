@@ -182,12 +182,10 @@ def check_metadata(meta: Metadata, undo_whole: int) -> MetaVerdict:
     chunk = int(header[UNDO_CHUNK]) if header is not None else None
     version = int(header[UNDO_VERSION]) if header is not None else None
     if chunk == undo_whole:
-        committed = meta.state_valid(p) and all(
-            meta.chunk_valid(p, c) and int(p.versions[c]) == version + 1 for c in range(meta.n_chunks))
-        if not committed:
+        if not _whole_committed(meta, version):
             verdict.in_flight = [undo_whole]
     elif chunk is not None and 0 <= chunk < meta.n_chunks:
-        if not (meta.chunk_valid(p, chunk) and int(p.versions[chunk]) == version + 1):
+        if not (_committed(meta, p, chunk, version) or _committed(meta, m, chunk, version)):
             verdict.in_flight = [chunk]
     elif chunk is not None:
         verdict.lost.append(f"segment {name}: the undo header names chunk {chunk} of {meta.n_chunks}")
@@ -207,6 +205,20 @@ def check_metadata(meta: Metadata, undo_whole: int) -> MetaVerdict:
         verdict.lost.append(f"segment {name}: undo header (both copies) while chunks "
                             f"{store.in_flight()[:8]} are marked in flight")
     return verdict
+
+
+def _committed(meta: Metadata, copy: MetaCopy, c: int, version: int) -> bool:
+    return meta.chunk_valid(copy, c) and int(copy.versions[c]) == version + 1
+
+
+def _whole_committed(meta: Metadata, version: int) -> bool:
+    """Did the whole-state transaction at ``version`` commit? The mirror is written only after the
+    commit, so a complete mirror at ``version + 1`` says yes even when the primary is damaged; the
+    primary alone says yes only with its scalar state intact (the mirror's may be older)."""
+    chunks = range(meta.n_chunks)
+    if all(_committed(meta, meta.mirror, c, version) for c in chunks) and meta.state_valid(meta.mirror):
+        return True
+    return meta.state_valid(meta.primary) and all(_committed(meta, meta.primary, c, version) for c in chunks)
 
 
 def _settle_item(meta: Metadata, verdict: MetaVerdict, what: str | None, valid, to_mirror, to_primary) -> bool:

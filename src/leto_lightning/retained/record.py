@@ -1,7 +1,9 @@
 """The progress record: what a shadow needs to resume exactly, surviving a torn write.
 
-Two slots; each write goes to the slot *not* holding the newest valid entry, so a write torn
-by a SIGKILL can only destroy the entry being written, never the last good one. A slot is::
+Two slots (or two *pairs* of slots, ``copies=2``: each entry written twice, so one damaged slot
+never loses the newest entry); each write goes to the slot (pair) *not* holding the newest valid
+entry, so a write torn by a SIGKILL can only destroy the entry being written, never the last
+good one. A slot is::
 
     magic u64 | seq u64 | length u64 | crc64 u64 | payload (pickle)
 
@@ -45,13 +47,15 @@ class ProgressRecord:
     ``on_half_written`` lets fault-injection tests stop the writer in the middle of a slot.
     """
 
-    def __init__(self, buffer: torch.Tensor, on_half_written: Callable[[], None] | None = None) -> None:
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % 2:
-            raise ConfigurationError("record buffer must be a 1-D uint8 tensor of even length")
-        self._slot_bytes = buffer.numel() // 2
-        self._slots = (buffer[: self._slot_bytes], buffer[self._slot_bytes :])
+    def __init__(self, buffer: torch.Tensor, on_half_written: Callable[[], None] | None = None, copies: int = 1) -> None:
+        n = 2 * copies
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % n:
+            raise ConfigurationError(f"record buffer must be a 1-D uint8 tensor, a multiple of {n} bytes long")
+        self._slot_bytes = buffer.numel() // n
+        self._slots = tuple(buffer[i * self._slot_bytes : (i + 1) * self._slot_bytes] for i in range(n))
+        self._pairs = (tuple(range(copies)), tuple(range(copies, n)))  # the slots one write fills
         self._on_half_written = on_half_written
-        self._last: tuple[int, int] | None = None  # (slot, seq) of this process's last write
+        self._last: tuple[int, int] | None = None  # (pair, seq) of this process's last write
 
     @property
     def capacity(self) -> int:
@@ -73,27 +77,28 @@ class ProgressRecord:
             raise RecordTooLargeError(
                 f"progress record of {len(body)} B exceeds the slot capacity {self.capacity} B; raise record_bytes"
             )
-        slot, seq = self._next_slot()
-        target = self._slots[slot]
+        pair, seq = self._next_pair()
         data = torch.frombuffer(bytearray(_HEADER.pack(_MAGIC, seq, len(body), _crc(seq, len(body), body)) + body),
                                 dtype=torch.uint8)
-        # Invalidate the slot first: a crash from here on leaves it unreadable, never half-valid.
-        target[:8].zero_()
-        half = len(data) // 2
-        target[8:half].copy_(data[8:half])
-        if self._on_half_written is not None:
-            self._on_half_written()
-        target[half : len(data)].copy_(data[half:])
-        target[:8].copy_(data[:8])  # the magic last: the slot becomes valid in one 8-byte store
-        self._last = (slot, seq)
+        for slot in self._pairs[pair]:
+            target = self._slots[slot]
+            # Invalidate the slot first: a crash from here on leaves it unreadable, never half-valid.
+            target[:8].zero_()
+            half = len(data) // 2
+            target[8:half].copy_(data[8:half])
+            if self._on_half_written is not None:
+                self._on_half_written()
+            target[half : len(data)].copy_(data[half:])
+            target[:8].copy_(data[:8])  # the magic last: the slot becomes valid in one 8-byte store
+        self._last = (pair, seq)
         return seq
 
-    def _next_slot(self) -> tuple[int, int]:
-        """(slot to overwrite, next seq): the slot not holding the newest valid entry."""
-        if self._last is not None:  # only this process writes: no need to re-read both slots
+    def _next_pair(self) -> tuple[int, int]:
+        """(slots to overwrite, next seq): the pair not holding the newest valid entry."""
+        if self._last is not None:  # only this process writes: no need to re-read the slots
             return 1 - self._last[0], self._last[1] + 1
-        entries = [self._read_slot(s) for s in self._slots]
-        seqs = [e.seq if e is not None else -1 for e in entries]
+        seqs = [max((e.seq for e in (self._read_slot(self._slots[i]) for i in pair) if e is not None), default=-1)
+                for pair in self._pairs]
         newest = 0 if seqs[0] >= seqs[1] else 1
         return 1 - newest, max(seqs[newest], 0) + 1
 
@@ -109,6 +114,6 @@ class ProgressRecord:
 
 
 def read_all(record: ProgressRecord) -> list[RecordEntry]:
-    """Every intact entry, oldest first (at most two)."""
-    entries = [record._read_slot(s) for s in record._slots]
-    return sorted((e for e in entries if e is not None), key=lambda e: e.seq)
+    """Every intact entry, oldest first (at most two; an entry kept twice is listed once)."""
+    entries = {e.seq: e for e in (record._read_slot(s) for s in record._slots) if e is not None}
+    return [entries[seq] for seq in sorted(entries)]

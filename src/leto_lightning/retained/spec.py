@@ -111,7 +111,7 @@ class StoreSpec:
         return len(lay.update_pages) * lay.page_bytes + 8 * backups
 
     def meta_area_bytes(self) -> int:
-        """Bytes of the page-aligned word areas, before the two progress-record slots."""
+        """Bytes of the page-aligned word areas, before the four progress-record slots."""
         return sum(_page_round(8 * sum(area.values())) for area in self.meta_areas.values())
 
     def sizes(self) -> dict[str, int]:
@@ -120,7 +120,7 @@ class StoreSpec:
             "data": lay.data_bytes,
             "undo": self.undo_bytes(),
             "parity1": max(1, self.tier1.n_groups * cfg.tier1_parity) * lay.page_bytes,
-            "meta": self.meta_area_bytes() + 2 * cfg.record_bytes,
+            "meta": self.meta_area_bytes() + 4 * cfg.record_bytes,  # the newest two records, twice each
         }
 
     def parity2_bytes(self) -> int:

@@ -159,6 +159,12 @@ class RetainedStore:
 
     def require_complete(self) -> None:
         """Raise ``IncompleteStoreError`` when the store was never completely initialised."""
+        if self.is_complete():
+            return
+        if any_mark(self.segments["spec"].tensor):
+            raise UnrecoverableDamageError({}, [
+                f"rank {self.spec.rank}: segment {self.spec.name('spec')}: both copies of the completion mark are "
+                "damaged (the store did complete its set-up)."])
         if not self.is_complete():
             raise IncompleteStoreError(
                 f"rank {self.spec.rank}: retained store {self.spec.name('*')} has no valid completion mark: it was "
@@ -236,8 +242,8 @@ class RetainedStore:
         self.sums = primary["sums"]  # checksum words: one per chunk, the gradients', the scalar state's
         self.mirror = mirror  # versions, steps, crcs, scalars, flags, sums: the second copy
         self.undo_copies = (areas["undo0"]["words"], areas["undo1"]["words"])
-        self.record = ProgressRecord(meta[offset : offset + 2 * cfg.record_bytes],
-                                     on_half_written=lambda: point("record.half_written"))
+        self.record = ProgressRecord(meta[offset : offset + 4 * cfg.record_bytes],
+                                     on_half_written=lambda: point("record.half_written"), copies=2)
 
     def page(self, p: int) -> torch.Tensor:
         return self.pages[p]

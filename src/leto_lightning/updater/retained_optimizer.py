@@ -15,7 +15,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import ConfigurationError, UnrecoverableDamageError, UsageError
+from ..errors import (
+    CHECKPOINT_ADVICE,
+    ConfigurationError,
+    LetoError,
+    RecoveryError,
+    UnrecoverableDamageError,
+    UsageError,
+)
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
@@ -143,7 +150,22 @@ class RetainedOptimizer:
         active trainer still trains; call ``resume()`` once promoted.
         ``iteration`` (new store): the first iteration this store will update, e.g. the one after
         a checkpoint; recorded as committed ``iteration - 1`` with ``payload``.
+
+        Raises only ``LetoError``s: ``IncompleteStoreError`` / ``UnrecoverableDamageError`` /
+        ``RecoveryError`` when the store cannot be adopted (resume from the checkpoint),
+        ``ConfigurationError`` when the model does not fit the store's layout.
         """
+        try:
+            self._bind(adopt, resume, iteration, payload)
+        except LetoError:
+            raise
+        except Exception as exc:  # never let an unforeseen failure pass as something else
+            what = "adopt the retained state" if adopt else "initialise the store"
+            cls = RecoveryError if adopt else ConfigurationError
+            raise cls(f"rank {self.store.spec.rank}: could not {what} ({type(exc).__name__}: {exc})"
+                      + (f". {CHECKPOINT_ADVICE}" if adopt else "")) from exc
+
+    def _bind(self, adopt: bool, resume: bool, iteration: int, payload: object) -> None:
         store, lay = self.store, self.layout
         if adopt:
             store.require_complete()  # a half-initialised store holds nothing to adopt
