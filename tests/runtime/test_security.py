@@ -316,3 +316,28 @@ def test_nodes_share_the_secret_or_stop_saying_how(tmp_path, monkeypatch):
     secret_file.chmod(0o600)
     assert auth.user_secret(str(secret_file)) == b"a-secret-in-a-file-0123"
     del node1, raw
+
+
+class _Planted:
+    """Unpickling this runs a shell command (what a planted checkpoint would do)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.skipif(not os.environ.get("LETO_LONG"), reason="a whole launched job (~1 min on 2 cores): LETO_LONG=1")
+def test_a_planted_checkpoint_is_not_run_on_a_restart(tmp_path):
+    """The trainers' real restart path: a non-HOF exit before any checkpoint of this job makes the
+    agent restart from ``checkpoints/rank0.pt`` -- a planted pickle. Nothing runs; the job stops
+    with the refusal as its reason."""
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    (run_dir / "checkpoints").mkdir(parents=True, mode=0o700)
+    torch.save({"model": _Planted(marker)}, run_dir / "checkpoints" / "rank0.pt")
+    fault = {"id": 0, "rank": 0, "iteration": 0, "point": "compute.begin", "action": "exit", "code": 17}
+    result = run(run_dir, 3, faults=[fault], nproc=1, extra=["--no-shadows", "--non-hof-exit-code", "17"])
+    assert not marker.exists()
+    (stopped,) = result.of("job_stopped")
+    assert result.returncode == 3 and "UnsafeCheckpoint" in stopped["reason"], stopped
