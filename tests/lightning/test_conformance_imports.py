@@ -71,3 +71,27 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert "leto_lightning.integrations.lightning.callback" in out["modules"]
     assert len(out["modules"]) > 50, out["modules"]
     assert not out["failures"], "\n".join(f"{m}:\n{tb}" for m, tb in out["failures"].items())
+
+
+def test_every_checkpoint_load_in_the_integration_is_weights_only() -> None:
+    """``torch.load`` / ``checkpoint_io.load_checkpoint`` in ``integrations/lightning`` pass
+    ``weights_only=True``: a checkpoint is data, never code (``super().load_checkpoint``
+    passes Lightning's own argument through)."""
+    import ast
+    import pathlib
+
+    import leto_lightning.integrations.lightning as package
+
+    calls = []
+    for path in sorted(pathlib.Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value
+            is_super = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+            if node.func.attr == "load" and getattr(owner, "id", None) == "torch" or (
+                    node.func.attr == "load_checkpoint" and not is_super):
+                flag = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
+                calls.append((path.name, node.lineno, getattr(flag, "value", None)))
+    assert calls, "no checkpoint loads found: the check looks at the wrong files"
+    assert all(flag is True for _, _, flag in calls), calls
