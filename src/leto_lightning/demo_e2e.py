@@ -62,7 +62,8 @@ def summarize(console, base: Path) -> int:
 
     events = read_events(base / "faulty")
     table = Table(title="recoveries: breakdown in seconds")
-    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "start", "init", "resume", "recomp", "total"):
+    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "start", "init", "resume", "recomp", "next",
+                "total"):
         table.add_column(col, justify="right")
     lost = 0.0
     for e in (e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")):
@@ -70,11 +71,11 @@ def summarize(console, base: Path) -> int:
         lost += e["total_s"]
         table.add_row(str(e["generation"]), str(e["failed_iteration"]), str(e["resume_iteration"]),
                       *(f"{b.get(k, 0.0):.2f}" for k in ("detect", "stop", "attach_repair", "start", "init", "resume",
-                                                         "recompute")),
+                                                         "recompute", "next_iteration")),
                       f"{e['total_s']:.2f}")
     console.print(table)
-    console.print("total = the sum: failure -> resumed, plus the redone iteration if one was lost (shadows "
-                  "promoted; 'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
+    console.print("total = failure -> first completed iteration after it (shadows promoted; "
+                  "'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
     start = next(e["time"] for e in events if e["event"] == "job_started")
     end = next(e["time"] for e in events if e["event"] == "job_finished")
     ettr = 1 - lost / (end - start)

@@ -53,6 +53,8 @@ def test_hofs_at_random_points_end_bit_identical(tmp_path, reference):
     assert all(e["promoted"] == "shadow" for e in finished), [e["promoted"] for e in finished]
     assert all(e["first_iteration_s"] >= 0 for e in finished)
     assert all(e["breakdown"]["recompute"] >= 0 for e in finished)
+    for e in finished:  # consecutive parts of one time line: they add up to the total
+        assert abs(sum(e["breakdown"].values()) - e["total_s"]) < 1e-3, e
     for e in result.of("failure_detected"):
         assert e["signal"] == signal.SIGKILL
     for e in finished:  # at most one iteration recomputed per HOF
@@ -99,7 +101,11 @@ def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, referenc
     assert len(result.of("recovery_failed")) == 1
     gens = [e["generation"] for e in result.of("recovery_started")]
     assert gens == [1, 2]
-    assert result.of("recovery_finished")[-1]["generation"] == 2
+    done = result.of("recovery_finished")[-1]
+    assert done["generation"] == 2
+    # detect counts from the last poll that saw nothing wrong: not from before the first attempt
+    first_started = result.of("recovery_started")[0]["time"]
+    assert done["breakdown"]["detect"] < result.of("failure_detected")[-1]["time"] - first_started
     for r in range(2):
         assert same_state(result.final(r), reference.final(r)) == []
 

@@ -11,6 +11,8 @@ intervals of one time line, so they add up to ``total_s``:
   init          what the promoted trainers still had to build (0 for a ready L3 shadow)
   resume        re-binding to retained state and restoring loop/RNG/data position
   recompute     redoing the interrupted iteration when it failed before its update committed
+  next_iteration the first iteration after resuming when nothing was lost (new work: counted
+                only because ``total_s`` runs to the first completed iteration)
 """
 
 from __future__ import annotations
@@ -279,16 +281,18 @@ class RecoveryMixin:
         first = now - rec["t_resumed"]
         breakdown = {k: round(rec[k], 4) for k in BREAKDOWN}
         breakdown["recompute"] = round(first if rec["recomputes"] else 0.0, 4)
-        total = round(sum(breakdown.values()), 4)  # failure -> resumed (+ the redone iteration)
+        breakdown["next_iteration"] = round(0.0 if rec["recomputes"] else first, 4)
+        total = now - rec["t_fail"]  # failure -> first completed iteration: the sum of the breakdown
         self.events.emit("recovery_finished", self.generation, breakdown=breakdown,
-                         first_iteration_s=round(first, 4), total_s=total,
+                         first_iteration_s=round(first, 4), total_s=round(total, 4),
                          resume_iteration=rec["resume_iteration"], failed_iteration=rec["failed_iteration"],
                          promoted=rec["promoted"], repair=rec["repair"])
         if self._shadows_due:
             self._shadows_due = False
             self._start_shadows()
         print(f"[leto] recovered in place (generation {self.generation}): resumed at iteration "
-              f"{rec['resume_iteration']}, {total:.2f} s lost to the failure {breakdown}", file=self.out, flush=True)
+              f"{rec['resume_iteration']}, {total:.2f} s to the first iteration after the failure {breakdown}",
+              file=self.out, flush=True)
         self.pending_recovery = None
 
     def _restart_from_checkpoint(self, reason: str) -> Failure | None:
@@ -309,6 +313,7 @@ class RecoveryMixin:
     def _watch_shadows(self) -> None:
         """A shadow that died while waiting is replaced -- with its whole set, on every node:
         the set is one process group. The replacement counter in the store keeps nodes in step."""
+        self._check_stop()  # shadows that died of the process group's SIGTERM are not replaced
         dead = [p for p in self.shadows.values() if p.poll() is not None]
         for p in dead:
             code, sig = p.exit_status()

@@ -18,7 +18,8 @@ from ..errors import LetoError
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 # What a trainer's reported exception says when the run dir's storage failed (classification).
 STORAGE_MESSAGES = ("No space left on device", "Disk quota exceeded", "Read-only file system",
-                    "Input/output error", "run dir storage failed")
+                    "Input/output error", "run dir storage failed",
+                    "PytorchStreamWriter failed", "unexpected pos")  # torch.save on a full disk (a RuntimeError)
 NEARLY_FULL_BYTES = 1 << 20  # below this much free space a failed write is taken for a full disk
 
 
