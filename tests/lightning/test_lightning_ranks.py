@@ -26,8 +26,8 @@ CFG = dict(devices=2, max_epochs=2)  # per epoch: 5 batches per rank, steps afte
 CHUNKS = 7
 
 
-def _leto(job: str) -> LetoStrategy:
-    return LetoStrategy(job_id=job, page_bytes=512, tier2_parity=1)
+def _leto(job: str, **kwargs: object) -> LetoStrategy:
+    return LetoStrategy(job_id=job, page_bytes=512, tier2_parity=1, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,8 @@ def ddp() -> list[dict]:
 
 
 def test_two_ranks_match_ddp_and_tier2_rebuilds_a_rank(ddp: list[dict], job: str) -> None:
-    leto = run_ranks(lambda rank: fit(RunConfig(strategy=_leto(job), seed=rank, **CFG)), world=2)
+    # keep_retained: a completed fit frees its store; this test rebuilds a rank from it afterwards
+    leto = run_ranks(lambda rank: fit(RunConfig(strategy=_leto(job, keep_retained=True), seed=rank, **CFG)), world=2)
     for rank in range(2):
         assert differences(leto[rank], ddp[rank]) == [], f"rank {rank}"
     assert leto[0]["global_step"] == 6

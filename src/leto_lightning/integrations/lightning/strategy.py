@@ -67,14 +67,15 @@ class LetoStrategy(DDPStrategy):
     Retained-memory options (``page_bytes``, ``chunk_pages``, ``data_pages``, ``tier1_parity``,
     ``tier2_parity``, ... -- every ``RetainedConfig`` field) may be given one by one or as
     ``retained=RetainedConfig(...)``; runtime options are ``LetoRuntimeOptions``'s. Both are
-    validated here. Other keyword arguments go to ``DDPStrategy``.
+    validated here. ``keep_retained=True`` keeps the retained memory after a fit that would
+    free it (see ``_resume_can_follow``). Other keyword arguments go to ``DDPStrategy``.
     """
 
     strategy_name = STRATEGY_NAME
 
     def __init__(self, *, retained: RetainedConfig | None = None, job_id: str | None = None,
                  resume: str | None = None, shadow_level: int | str = 3, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 60.0, **kwargs: Any) -> None:
+                 heartbeat_timeout: float = 60.0, keep_retained: bool = False, **kwargs: Any) -> None:
         check_lightning()  # at Trainer(...): an untested Lightning is refused before anything runs
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _RETAINED_FIELDS}
         if retained is not None and fields:
@@ -92,6 +93,7 @@ class LetoStrategy(DDPStrategy):
         self.loop_state = LetoLoopStateCallback()
         self.loop_state.attach(self)
         self.retained: RetainedOptimizer | None = None
+        self.keep_retained = keep_retained  # keep the store after any fit (your own recovery): _resume_can_follow
         self.job_id: str | None = None
         self.stepped_in_batch = False
         self.clean_since_step = False
@@ -463,8 +465,9 @@ class LetoStrategy(DDPStrategy):
         With several ranks started by hand, a peer's death reaches this rank as an exception, and
         the caller's recovery (``recover_node``, ``fit(ckpt_path="leto://retained")``) needs every
         store: they are kept, and ``leto cleanup --list`` shows them. A process that died frees
-        nothing by itself, as designed."""
-        if self.runtime is not None:
+        nothing by itself, as designed. ``keep_retained=True`` keeps it in every case (a caller
+        that recovers or inspects it itself frees it: ``release(unlink=True)``, ``leto cleanup``)."""
+        if self.runtime is not None or self.keep_retained:
             return True
         if trainer.state.status != TrainerStatus.INTERRUPTED or self.world_size <= 1:
             return False
