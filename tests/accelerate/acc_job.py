@@ -54,7 +54,7 @@ def all_events(run_dir: Path) -> list[dict]:
 def active_pid(run_dir: Path, rank: int) -> int:
     """The pid training as rank ``rank`` now: the last active started, or the rank's shadow of the
     last promoted set, whichever became active last."""
-    events = agent_events(run_dir)[rank]
+    events = all_events(run_dir)  # one agent for all ranks (leto launch) or one per rank
     became: list[tuple[float, int]] = [(e["time"], e["pid"]) for e in events if e["event"] == "process_started"
                                        and e["role"] == "active" and e["rank"] == rank]
     for promo in (e for e in events if e["event"] == "shadows_promoted"):
@@ -101,7 +101,8 @@ def check_identical(out: Path, reference: Path, ema: bool = False) -> None:
 
 class Killer:
     """SIGKILLs active trainers from outside at random moments, one recovery at a time: each kill
-    waits until the run made progress and a shadow set is ready (the steady state)."""
+    waits until the run made progress (and, with ``shadows=True``, a shadow set is ready; else the
+    agents may start new trainers on the retained state instead of promoting shadows)."""
 
     def __init__(self, run_dir: Path, out: Path, seed: int) -> None:
         self.run_dir, self.out = run_dir, out
@@ -117,10 +118,10 @@ class Killer:
     def recoveries(self) -> int:
         return sum(1 for e in agent_events(self.run_dir).get(0, []) if e["event"] == "recovery_finished")
 
-    def kill(self, ranks: tuple[int, ...], after_step: int, timeout: float = 200) -> None:
+    def kill(self, ranks: tuple[int, ...], after_step: int, shadows: bool = False, timeout: float = 200) -> None:
         done = self.recoveries()
-        wait_for(lambda: self.ready() and len(loss_rows(self.out)) > after_step, timeout,
-                 f"shadows ready and step {after_step}")
+        wait_for(lambda: (self.ready() or not shadows) and len(loss_rows(self.out)) > after_step, timeout,
+                 f"step {after_step}" + (" and shadows ready" if shadows else ""))
         time.sleep(self.rng.uniform(0.0, 0.6))  # a random moment: compute, accumulation or update
         pids = [active_pid(self.run_dir, r) for r in ranks]
         for pid in pids:

@@ -5,3 +5,4 @@ from pathlib import Path
 PLAIN_DDP = str(Path(__file__).with_name("plain_ddp.py"))
 RECIPE_TRAIN = str(Path(__file__).with_name("recipe_train.py"))
 LIGHTNING_TINY = str(Path(__file__).with_name("lightning_tiny.py"))
+ACCELERATE_TRAIN = str(Path(__file__).with_name("accelerate_train.py"))

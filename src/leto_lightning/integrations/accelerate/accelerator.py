@@ -254,6 +254,15 @@ class LetoAccelerator(Accelerator):
         log.info("%s resumed at step %d (%s)", WHO, self.retained.iteration, self._leto_point)
         return self._leto_point
 
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
+        """Refused once bound: Accelerate would load weights and replace the optimizer's state
+        tensors outside any transaction (stale parity, state no longer in retained memory)."""
+        if self.retained is not None:
+            raise UsageError(f"{WHO}.load_state() after prepare(): loading a checkpoint into retained memory is not "
+                             "supported yet -- recovery from retained memory needs no checkpoint; to start from one, "
+                             "use the plain Accelerator for that run")
+        return super().load_state(input_dir, **kwargs)
+
     # -- the end --------------------------------------------------------------------------------
     def end_training(self) -> None:
         ro = self.retained
