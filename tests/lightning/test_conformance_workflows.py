@@ -7,7 +7,8 @@ optimizer state, logged metrics, checkpoint contents and evaluation results are 
 
 - one automatic-optimization fit with gradient accumulation, validation twice per epoch, a
   per-step cosine schedule, clipping, ``ModelCheckpoint`` (top-k on ``val_loss`` + ``save_last``
-  and one every few steps), a ``CSVLogger``, ``LearningRateMonitor`` and a callback with state;
+  and one every few steps), a ``CSVLogger``, ``LearningRateMonitor``, ``EarlyStopping`` and a
+  callback with state of its own;
   then ``trainer.test/validate/predict(ckpt_path="best"/"last")``, ``load_from_checkpoint`` of
   the best file, ``torch.load(weights_only=True)`` of every file, ``Tuner.lr_find``;
 - ``fit(ckpt_path=<a mid-epoch checkpoint of that fit>)``: under ``"leto"`` bit-identical to the
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, TensorDataset
@@ -115,7 +116,7 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 def trainer(strategy: str, root: str, max_epochs: int = 3, **kwargs: Any) -> pl.Trainer:
     callbacks = [ModelCheckpoint(dirpath=f"{root}/best", monitor="val_loss", save_top_k=2, save_last=True),
                  ModelCheckpoint(dirpath=f"{root}/every", every_n_train_steps=3, save_top_k=-1),
-                 LearningRateMonitor("step"), BatchCounter()]
+                 LearningRateMonitor("step"), BatchCounter(), EarlyStopping("val_loss", patience=100)]
     args = dict(strategy=strategy, accelerator="cpu", devices=1, max_epochs=max_epochs, accumulate_grad_batches=2,
                 val_check_interval=0.5, limit_val_batches=2, gradient_clip_val=0.5, log_every_n_steps=1,
                 callbacks=callbacks, logger=CSVLogger(root, name="csv", version=0), enable_progress_bar=False,
@@ -176,6 +177,8 @@ def automatic_workflow(strategy: str, root: str) -> dict:
         loader_state = ckpt["loops"]["fit_loop"].pop("state_dict")
         files[os.path.relpath(path, root)] = {"state_dict": ckpt["state_dict"], "global_step": ckpt["global_step"],
                                               "loops": ckpt["loops"], "counter": ckpt["callbacks"]["BatchCounter"],
+                                              "early_stopping": next(v for k, v in ckpt["callbacks"].items()
+                                                                     if k.startswith("EarlyStopping")),
                                               "loader_state": bool(loader_state)}
     out["checkpoints"] = files
     out["test"] = tr.test(model, val, ckpt_path="best", verbose=False)
