@@ -155,3 +155,21 @@ def test_a_continued_tensorboard_logger_pickles(tmp_path) -> None:
     assert deep._leto_continuity.logger is deep
     logger.finalize("success")
     copied.finalize("success")
+
+
+def test_the_log_keeper_pickles_without_its_link() -> None:
+    """Under ``leto launch`` the strategy's log keeper holds the link to the agent (a session
+    with open sockets): a pickled trainer carries what was logged, not the link."""
+    import socket
+
+    from leto_lightning.integrations.lightning.logs import LogKeeper
+    from leto_lightning.integrations.lightning.runtime_link import RuntimeLink
+
+    keeper = LogKeeper()
+    keeper.rows, keeper.link = {0: 7}, RuntimeLink(1.0)
+    with socket.socket() as sock:
+        keeper.link.session = sock  # type: ignore[assignment]
+        with pytest.raises(TypeError):
+            pickle.dumps(keeper.link)
+        copied = pickle.loads(pickle.dumps(keeper))
+    assert copied.rows == {0: 7} and copied.link is None and keeper.link is not None

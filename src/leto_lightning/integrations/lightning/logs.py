@@ -80,6 +80,11 @@ class LogKeeper:
         self.tb_kept: set[int] = set()  # TensorBoardLoggers this process continues
         self.active = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled copy (``torch.save(trainer)``) keeps what was logged, not this process's
+        link to ``leto launch`` or its open event reader."""
+        return dict(self.__dict__, link=None, reader=None)
+
     # -- before Lightning creates the loggers' experiments (setup_environment) --------------
     def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink | None", rank: int, continues: bool = False) -> None:
         """``link``: under ``leto launch``; without it, ``continues`` says whether this fit resumes
