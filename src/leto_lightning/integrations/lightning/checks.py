@@ -105,15 +105,16 @@ def check_closure_use(optimizer: torch.optim.Optimizer, automatic: bool) -> None
     without, with_closure = _throwaway(optimizer), _throwaway(optimizer)
     try:
         without.step()
-        if automatic:
-            with_closure.step(closure)
     except Exception as exc:  # the optimizer's own code: whatever it raises means "cannot step like this"
         raise ConfigurationError(
-            f"{name}.step() cannot run without a closure ({type(exc).__name__}: {exc}). LetoStrategy runs the "
+            f"{name}.step() cannot run without a closure, as a retained transaction calls it (on a throwaway "
+            f"instance: {type(exc).__name__}: {exc}). LetoStrategy runs the "
             "closure (forward and backward) once, then step() inside a retained transaction; an optimizer that "
             "evaluates the closure inside step() (SAM-like, or a step(closure) that calls it unconditionally) "
             "cannot be protected -- make closure optional in step(), use another optimizer, or strategy='ddp'"
         ) from exc
+    if automatic:
+        with_closure.step(closure)  # worked without one: a failure here is the optimizer's own error
     if automatic and len(calls) != 1:
         what = "never calls its closure" if not calls else f"calls its closure {len(calls)} times"
         raise ConfigurationError(
