@@ -34,6 +34,7 @@ from .events import EventLog
 from .procs import TrainerProcess, process_state, spawn
 from .storage import StorageError
 from .recovery_flow import RecoveryMixin
+from .reclaim import ReclaimConfig, ShadowReclaimer
 
 
 @dataclass
@@ -133,11 +134,13 @@ class JobInterrupted(LetoError):
 
 
 class Agent(RecoveryMixin):
-    def __init__(self, spec: LaunchSpec, config: RuntimeConfig | None = None, out=None) -> None:
+    def __init__(self, spec: LaunchSpec, config: RuntimeConfig | None = None, out=None,
+                 reclaim: ReclaimConfig | None = None) -> None:
         spec.preflight()
         self.spec = spec
         self.config = config or RuntimeConfig()
         self.out = out or sys.stdout
+        self.reclaim = ShadowReclaimer(self, reclaim) if reclaim is not None else None  # memory probe + policy
         # one live job per run dir; 0700 and umask 077 before anything is written there
         self.run_dir_claim = rundir.claim(spec.run_dir, spec.run_dir_mode, spec.events_dir, spec.node_rank)
         self.events = EventLog(spec.events_dir)
@@ -209,6 +212,8 @@ class Agent(RecoveryMixin):
             else:
                 self._watch_shadows()
                 self._publish_shadow_readiness()
+                if self.reclaim is not None:
+                    self.reclaim.poll()
             self._stop.wait(self.config.poll_interval)
 
     def _wait_other_nodes_done(self) -> None:
@@ -287,7 +292,7 @@ class Agent(RecoveryMixin):
         env.update(
             LETO_NODE_RANK=str(node), LETO_ROLE=role, LETO_JOB_ID=self.job_id,
             LETO_RUN_DIR=os.path.abspath(s.run_dir), LETO_GENERATION=str(generation),
-            LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.config.shadow_level), LETO_RESUME=resume,
+            LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self._shadow_level()), LETO_RESUME=resume,
             LETO_FAULTS=json.dumps(self._pending_faults()),
         )
         env[auth.CHILD_ENV] = self.secret.hex()  # the trainers' copy of the job's secret: their environment only
@@ -314,12 +319,12 @@ class Agent(RecoveryMixin):
 
     def _start_shadows(self, replacement: int = 0) -> None:
         self.store.set(keys.SHADOWS_READY, "")
-        if not self.config.shadows:
+        if not self.config.shadows or not self._shadow_level():  # level 0: memory reclaim runs without one
             return
         self.shadow_set = f"{self.generation}-{replacement}"
         self._replacements_seen = replacement
         self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
-        self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set, level=self.config.shadow_level,
+        self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set, level=self._shadow_level(),
                          reason="started")
 
     def _publish_shadow_readiness(self) -> None:
@@ -328,7 +333,11 @@ class Agent(RecoveryMixin):
                 self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
             self.store.set(keys.SHADOWS_READY, str(self.shadow_set))
             self.events.emit("shadow_level", self.generation, shadow_set=self.shadow_set,
-                             level=self.config.shadow_level, reason="ready")
+                             level=self._shadow_level(), reason="ready")
+
+    def _shadow_level(self) -> int:
+        """The level new shadows start at: the memory policy's when it runs (runtime/reclaim.py)."""
+        return int(self.reclaim.level) if self.reclaim is not None else self.config.shadow_level
 
     def _local_ranks(self) -> list[int]:
         first = self.spec.node_rank * self.spec.nproc_per_node
@@ -355,6 +364,8 @@ class Agent(RecoveryMixin):
         self.actives, self.shadows = {}, {}
         for job in self.all_job_ids:
             unlink_segments(job)
+        if self.reclaim is not None:
+            self.reclaim.close()
         self.events.close()
         self.run_dir_claim.release()
 

@@ -195,13 +195,14 @@ class ShadowReclaimer:
 
     def _apply(self, change: LevelChange, sample: MemorySample) -> None:
         a = self.agent
+        figures = self.figures(sample)  # with the shadows that are replaced
         count = a.store.add(keys.SHADOW_REPLACE.format(gen=a.generation), 1)
         a._replacements_seen = count  # our own replacement: _watch_shadows must not redo it
         a._kill(a.shadows)
         a.shadows = {}
         a.store.set(keys.SHADOWS_READY, "")
         a.events.emit("shadow_level_changed", a.generation, old=int(change.old), new=int(change.new),
-                      reason=change.reason, **self.figures(sample))
+                      reason=change.reason, **figures)
         if change.new == ShadowLevel.NONE:
             print(f"[leto] memory: running WITHOUT a shadow ({change.reason}): a failure now means a cold start",
                   file=a.out, flush=True)

@@ -143,12 +143,14 @@ class RecoveryMixin:
         t2 = time.time()
         timing["attach_repair"] = t2 - t1
         promoted = self._promote_or_cold_start()
+        level = self._shadow_level() if promoted == "shadow" else 0  # what the job recovered from (0: cold)
         outcome = self._wait_resumed(timing, t2)
         if isinstance(outcome, Failure):
             return outcome
         lost = failure.iteration is not None and failure.phase == "compute"
         self.pending_recovery = dict(timing, t_fail=t_fail, resume_iteration=resume_it, failed_iteration=failure.iteration,
                                      recomputes=bool(lost and resume_it <= failure.iteration), promoted=promoted,
+                                     shadow_level=level,
                                      t_resumed=max(i["t"] for i in outcome.values()),
                                      repair=[r.summary() for r in reports.values()])
         if self.config.defer_shadow_restart:
@@ -286,7 +288,7 @@ class RecoveryMixin:
         self.events.emit("recovery_finished", self.generation, breakdown=breakdown,
                          first_iteration_s=round(first, 4), total_s=round(total, 4),
                          resume_iteration=rec["resume_iteration"], failed_iteration=rec["failed_iteration"],
-                         promoted=rec["promoted"], repair=rec["repair"])
+                         promoted=rec["promoted"], repair=rec["repair"], shadow_level=rec["shadow_level"])
         if self._shadows_due:
             self._shadows_due = False
             self._start_shadows()

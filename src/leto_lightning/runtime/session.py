@@ -289,7 +289,8 @@ class FaultInjector:
 
     A fault is ``{"id", "rank", "point", "iteration" (omit: any), "occurrence" (default 1),
     "action": "kill" (default) | "exit", "code", "signal" (what to kill with, e.g. 7 = SIGBUS),
-    "wait_shadows" (strike only once the shadow set is ready: the steady state of a long job),
+    "wait_shadows" (strike only once the shadow set is ready: the steady state of a long job; a
+    string: once that shadow set, e.g. "0-1", is the ready one),
     "generation" (omit: any)}``.
     """
 
@@ -314,7 +315,9 @@ class FaultInjector:
                 fired = keys.FAULT_FIRED.format(id=f["id"])
                 if n == f.get("occurrence", 1) and not self.session.store.check([fired]):
                     if f.get("wait_shadows"):  # steady state: strike once a shadow set is ready
-                        while not self.session.store.get(keys.SHADOWS_READY):
+                        want = f["wait_shadows"] if isinstance(f["wait_shadows"], str) else None  # that set
+                        while not (ready := self.session.store.get(keys.SHADOWS_READY).decode()) or (
+                                want is not None and ready != want):
                             time.sleep(0.05)
                     self.session.store.set(fired, str(time.time()))
                     if f.get("action", "kill") == "exit":  # e.g. an exit code declared non-HOF

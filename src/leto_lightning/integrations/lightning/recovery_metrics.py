@@ -10,6 +10,8 @@ new events at the start of training batches and logs, per recovery, at the curre
 ``leto/recovery/total_s``           failure -> first completed step after it
 ``leto/recovery/first_iteration_s`` resumed -> first completed step
 ``leto/recovery/generation``        the generation the recovery opened
+``leto/recovery/shadow_level``      the shadow level the job recovered from: 3, 2, 1 (a promoted
+                                    shadow at L3/L2/L1), 0 (no ready shadow: a cold start)
 ``leto/recovery/failed_iteration``  the step the failure interrupted (last heartbeat)
 ``leto/recovery/resume_iteration``  the first retained iteration (optimizer update) after it
 ``leto/recovery/resume_step``       the same point as Lightning's global step (more than the
@@ -88,6 +90,7 @@ def metrics_for(event: dict, events: list[dict], kept_iterations: int, recovered
         "leto/recovery/total_s": float(event.get("total_s") or 0.0),
         "leto/recovery/first_iteration_s": float(event.get("first_iteration_s") or 0.0),
         "leto/recovery/generation": float(event["generation"]),
+        "leto/recovery/shadow_level": float(event.get("shadow_level", 0) or 0),
         "leto/recovery/failed_iteration": float(event["failed_iteration"] if event.get("failed_iteration") is not None
                                                 else -1),
         "leto/recovery/resume_iteration": float(event.get("resume_iteration", -1)),
@@ -110,7 +113,7 @@ def summary_rows(events: list[dict]) -> list[dict[str, Any]]:
             continue
         b = e.get("breakdown", {})
         rows.append({"gen": e["generation"], "failed it": e.get("failed_iteration"),
-                     "resumed it": e.get("resume_iteration"), "via": e.get("promoted"),
+                     "resumed it": e.get("resume_iteration"), "via": e.get("promoted"), "level": e.get("shadow_level"),
                      **{k: b.get(k) for k in BREAKDOWN},
                      "total": e.get("total_s"), "status": "interrupted" if e.get("interrupted") else "ok"})
     return rows
