@@ -204,6 +204,24 @@ class RetainedUpdate(Reference):
         self.ro.store.unlink()
 
 
+class UncheckedUpdate(RetainedUpdate):
+    """``--integrity-ab``: the same chunk transactions with the integrity metadata switched off --
+    no metadata checksum words, no mirror copy, no second undo header, one progress-record copy:
+    the update as it was before those checks. Timed beside RMU, the difference is their cost.
+    (Not crash-safe: only for timing; the math, and so bit-identity, is unchanged.)"""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig) -> None:
+        super().__init__(model, optimizer, config)
+        self.key, self.label = "rmu-unchecked", "RMU + RMP without the integrity metadata (before)"
+        meta = self.ro.txn.meta
+        for name in ("seal_chunk", "mirror_chunk", "seal_grads"):
+            setattr(meta, name, lambda *a: None)
+        heads = meta._heads
+        meta.write_header = lambda words: heads[0].__setitem__(slice(0, len(words)), words)  # one plain copy
+        record = self.ro.store.record
+        record._pairs = tuple(pair[:1] for pair in record._pairs)  # each entry written once
+
+
 class RollbackUpdate(RetainedUpdate):
     """``--rollback-window``: what manual optimization uses -- one whole-state transaction per
     step (torch's own ``step()`` between a full undo copy and the parity deltas) and a seal."""
@@ -441,6 +459,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t = p.add_argument_group("timing")
     t.add_argument("--rollback-window", action="store_true",
                    help="also time manual optimization's update (whole-state transaction + seal)")
+    t.add_argument("--integrity-ab", action="store_true",
+                   help="also time RMU with its integrity metadata (checksum words, mirror, second undo header and "
+                        "record copy) switched off: the cost of those checks, interleaved in the same run")
     t.add_argument("--iterations", type=int, default=30, help="measured iterations per variant")
     t.add_argument("--warmup", type=int, default=3, help="uncounted iterations per variant first")
     t.add_argument("--round-iters", type=int, default=2, help="iterations of one variant per rotation turn")
@@ -507,9 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         for kib, rcfg in zip(args.page_kib, rcfgs):
             tag = (f"{kib // 1024} MiB" if kib % 1024 == 0 else f"{kib} KiB") if tagged else ""
             variants.append(RetainedUpdate(*new_pair(), rcfg, tag=tag))
+        if args.integrity_ab:
+            variants.append(UncheckedUpdate(*new_pair(), rcfgs[0]))
         if args.rollback_window:
             variants.append(RollbackUpdate(*new_pair(), rcfgs[0]))
-        rmus = [v for v in variants if isinstance(v, RetainedUpdate)]
+        rmus = [v for v in variants if isinstance(v, RetainedUpdate) and not isinstance(v, UncheckedUpdate)]
         for v in rmus:
             c = v.config
             code = v.ro.txn.codes.tier1
@@ -531,7 +554,13 @@ def main(argv: list[str] | None = None) -> int:
             gc.enable()
         out(f"(timed loop: {elapsed:.0f} s)")
         out("")
-        report(variants, times, out)
+        rows = report(variants, times, out)
+        if args.integrity_ab:
+            checked, unchecked = rows[rmus[0].key], rows["rmu-unchecked"]
+            added = checked["update"] - unchecked["update"]
+            out(f"integrity checks: {rmus[0].key} - rmu-unchecked = {added:+.2f} ms per update "
+                f"({100 * added / rows['reference']['total']:+.3f}% of the reference iteration; medians "
+                f"{checked['update_median'] - unchecked['update_median']:+.2f} ms)")
 
         out("")
         n = args.warmup + args.iterations

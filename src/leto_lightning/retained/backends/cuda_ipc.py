@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ...errors import ConfigurationError, RetainedStateError, UsageError
 from ..shm import SharedSegment
 
 MANAGER_ENV = "LETO_CUDA_MANAGER"  # address of the manager new CUDA stores allocate from
@@ -53,11 +54,11 @@ REQUEST_TIMEOUT = 300.0  # s: a multi-GiB allocation and its zero fill are not i
 _SOCKET_MAX = 100  # AF_UNIX paths are limited to 107 bytes
 
 
-class CudaUnavailableError(RuntimeError):
+class CudaUnavailableError(ConfigurationError, RuntimeError):
     """``backend="cuda"`` where torch cannot use a CUDA device."""
 
 
-class DeviceManagerError(RuntimeError):
+class DeviceManagerError(RetainedStateError):
     """The state manager cannot be reached, or failed."""
 
 
@@ -255,7 +256,7 @@ class CudaSegment:
     def create(cls, name: str, nbytes: int, manager_address: str) -> "CudaSegment":
         """Have the manager allocate a zero-filled buffer, and map it here."""
         if nbytes <= 0:
-            raise ValueError(f"segment {name!r}: size must be positive, got {nbytes}")
+            raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
         manager = CudaStateManager(manager_address)
         share = manager.alloc(name, nbytes)
         try:
@@ -281,7 +282,7 @@ class CudaSegment:
     def tensor(self) -> torch.Tensor:
         """The whole buffer as a writable uint8 tensor on its device (a view, no copy)."""
         if self._tensor is None:
-            raise RuntimeError(f"segment {self.name!r} is closed")
+            raise UsageError(f"segment {self.name!r} is closed")
         return self._tensor
 
     def close(self) -> None:
