@@ -23,6 +23,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. size=tiny trainer.max_steps=100")
     p.add_argument("--run-dir", default=None, help="outputs (default: leto-runs/<recipe>-<time>)")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0)
+    p.add_argument("--trainer", choices=("lightning", "accelerate"), default="lightning",
+                   help="the training loop: Trainer(strategy='leto') or LetoAccelerator (docs/accelerate.md)")
     p.set_defaults(func=run)
 
 
@@ -66,14 +68,16 @@ def _check_retained_settings(leto, ranks: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return build_agent(args.recipe, args.overrides, args.run_dir, args.heartbeat_timeout).run()
+    return build_agent(args.recipe, args.overrides, args.run_dir, args.heartbeat_timeout,
+                       trainer=args.trainer).run()
 
 
-def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbeat_timeout: float = 60.0, out=None):
+def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbeat_timeout: float = 60.0, out=None,
+                trainer: str = "lightning"):
     """The agent that trains ``recipe_name`` with ``overrides`` (validated here)."""
     from omegaconf import OmegaConf
 
-    from .examples import RECIPE_TRAIN
+    from .examples import ACCELERATE_TRAIN, RECIPE_TRAIN
     from .models.config import load_recipe
     from .runtime.agent import Agent, LaunchSpec
     from .runtime.config import RuntimeConfig
@@ -91,7 +95,9 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     OmegaConf.save(OmegaConf.structured(recipe), resolved)
     faults = hof_faults(recipe.faults.hof_every, str(recipe.faults.hof_phase.value), recipe.trainer.max_steps,
                         par.dp, recipe.faults.seed)
-    spec = LaunchSpec(script=RECIPE_TRAIN, args=[resolved], nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
+    script, script_args = (ACCELERATE_TRAIN, ["--recipe", resolved]) if trainer == "accelerate" else (RECIPE_TRAIN,
+                                                                                                     [resolved])
+    spec = LaunchSpec(script=script, args=script_args, nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
     config = RuntimeConfig(heartbeat_timeout=heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
     print(f"[leto] training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
           f"run dir {run_dir}", flush=True)

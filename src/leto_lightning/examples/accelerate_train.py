@@ -104,13 +104,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensorboard", action="store_true")
     p.add_argument("--wandb", action="store_true", help="wandb (offline unless WANDB_MODE says otherwise)")
     p.add_argument("--out", default=None, help="output directory (default: $LETO_RUN_DIR, else runs/accelerate)")
+    p.add_argument("--recipe", default=None, help="a resolved recipe (leto train --trainer accelerate): its model, "
+                   "data, optimizer, accumulation, clipping, max_steps and seed replace the options above")
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: epochs)")
     return p.parse_args(argv)
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(vocab_size=64, d_model=args.d_model, n_layers=args.layers, n_heads=2, n_kv_heads=2,
-                       ffn_hidden=2 * args.d_model, expert_ffn_hidden=args.d_model, n_experts=4, top_k=2,
-                       seq_len=args.seq_len)
+def from_recipe(args: argparse.Namespace) -> tuple[ModelConfig, Any]:
+    """A recipe's model config and training loader; its settings go into ``args``."""
+    from leto_lightning.models.config import load_recipe
+    from leto_lightning.models.data import make_dataloaders
+
+    recipe = load_recipe(args.recipe)
+    args.accumulation = recipe.active.grad_accumulation
+    args.lr, args.weight_decay = recipe.optimizer.lr, recipe.optimizer.weight_decay
+    args.clip, args.max_steps, args.seed = recipe.trainer.gradient_clip_val, recipe.trainer.max_steps, recipe.trainer.seed
+    args.epochs = recipe.trainer.max_epochs if recipe.trainer.max_epochs > 0 else 1_000_000
+    args.page_bytes, args.dropout = recipe.leto.page_bytes, 0.0
+    return recipe.active.model, make_dataloaders(recipe)[0]
+
+
+def synthetic(args: argparse.Namespace) -> tuple[ModelConfig, Any]:
+    """The compact MoE model and a shuffled set of random token sequences."""
+    cfg = ModelConfig(vocab_size=64, d_model=args.d_model, n_layers=args.layers, n_heads=2, n_kv_heads=2,
+                      ffn_hidden=2 * args.d_model, expert_ffn_hidden=args.d_model, n_experts=4, top_k=2,
+                      seq_len=args.seq_len)
+    tokens = torch.randint(0, cfg.vocab_size, (args.samples, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return cfg, torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
 
 
 def build_accelerator(args: argparse.Namespace, out: str) -> Any:
@@ -135,63 +157,63 @@ def build_accelerator(args: argparse.Namespace, out: str) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.seed, args.weight_decay = 0, 0.1
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     out = args.out or os.environ.get("LETO_RUN_DIR") or os.path.join("runs", "accelerate")
     os.makedirs(out, exist_ok=True)
+    cfg, loader = from_recipe(args) if args.recipe else synthetic(args)
     accelerator = build_accelerator(args, out)
-    torch.manual_seed(0)
-    cfg = model_config(args)
-    model = build_model(cfg, seed=0)
-    tokens = torch.randint(0, cfg.vocab_size, (args.samples, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=args.batch_size,
-                                         shuffle=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    steps = args.epochs * math.ceil(len(loader) / accelerator.num_processes / args.accumulation)
-    warmup = max(1, steps // 10)
+    torch.manual_seed(args.seed)
+    model = build_model(cfg, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    per_epoch = math.ceil(len(loader) / accelerator.num_processes / args.accumulation)
+    steps = args.max_steps if args.max_steps > 0 else args.epochs * per_epoch
+    # Accelerate steps a prepared scheduler num_processes times per optimizer step (its batches
+    # are num_processes times larger): the schedule counts in those units.
+    total = steps * accelerator.num_processes
+    warmup = max(1, total // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     ema = EMA(accelerator.unwrap_model(model)) if args.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)
     accelerator.init_trackers("accelerate_train")
     point = accelerator.leto_resume() if not args.plain else None
-    train(args, accelerator, model, opt, loader, sched, ema, point.epoch if point else 0)
+    train(args, accelerator, model, opt, loader, sched, ema, point, steps)
     save_final(accelerator, model, opt, sched, ema, out)
     accelerator.end_training()
 
 
 def train(args: argparse.Namespace, accelerator: Any, model: Any, opt: Any, loader: Any, sched: Any,
-          ema: EMA | None, first_epoch: int) -> None:
+          ema: EMA | None, point: Any, steps: int) -> None:
+    """The loop; ``point``: where a resumed trainer continues (``leto_resume()``), else None."""
     model.train()
-    for epoch in range(first_epoch, args.epochs):
-        for (batch,) in loader:
+    done = point.step if point is not None else 0  # optimizer steps taken
+    for epoch in range(point.epoch if point is not None else 0, args.epochs):
+        for inputs, targets in loader:
+            if done >= steps:
+                return
             with accelerator.accumulate(model):
-                logits, aux = model(batch[:, :-1])
+                logits, aux = model(inputs)
                 logits = torch.nn.functional.dropout(logits, p=args.dropout, training=True)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + 0.01 * aux
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()) + 0.01 * aux
                 accelerator.backward(loss)
                 if args.sleep:
                     time.sleep(args.sleep)  # stands for compute time: redone on recompute
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.clip)
+                    if args.clip:
+                        accelerator.clip_grad_norm_(model.parameters(), args.clip)
                     # logged before the step: a recomputed step logs the same value again
                     accelerator.log({"loss": accelerator.gather(loss.detach()).mean().item(),
-                                     "lr": sched.get_last_lr()[0], "epoch": epoch}, step=opt_steps(accelerator))
+                                     "lr": sched.get_last_lr()[0], "epoch": epoch}, step=done)
                 opt.step()
                 sched.step()
                 opt.zero_grad()
-                if ema is not None and accelerator.sync_gradients:
-                    ema.update(accelerator.unwrap_model(model))
-
-
-def opt_steps(accelerator: Any) -> int:
-    """Optimizer steps so far (the retained iteration; for the plain reference, counted here)."""
-    retained = getattr(accelerator, "retained", None)
-    if retained is not None:
-        return retained.iteration
-    accelerator._example_steps = getattr(accelerator, "_example_steps", -1) + 1
-    return accelerator._example_steps
+                if accelerator.sync_gradients:
+                    done += 1
+                    if ema is not None:
+                        ema.update(accelerator.unwrap_model(model))
 
 
 def save_final(accelerator: Any, model: Any, opt: Any, sched: Any, ema: EMA | None, out: str) -> None:
