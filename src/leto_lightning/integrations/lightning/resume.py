@@ -34,6 +34,7 @@ from lightning.pytorch.trainer import call
 
 from ...updater.retained_optimizer import hyperparameters
 from . import plateau
+from .loop_state import loop_state_dict
 
 PAYLOAD_VERSION = 1
 KINDS = ("start", "prepare", "batch_end", "validation_end")
@@ -128,7 +129,7 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
         "precision": trainer.precision_plugin.state_dict(),
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "buffers": non_parameter_state(module),
-        "loops": None if kind == "start" else {"fit_loop": trainer.fit_loop.state_dict()},
+        "loops": None if kind == "start" else {"fit_loop": loop_state_dict(trainer.fit_loop)},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
         "validation_due": kind in ("prepare", "batch_end") and validation_due(trainer),
         "monitored": plateau.monitored(trainer),
