@@ -9,8 +9,6 @@ the fault-free run, a loss plot and the wandb offline run.
 from __future__ import annotations
 
 import io
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -61,10 +59,11 @@ def summarize(console, base: Path) -> int:
     from .runtime.events import read_events
 
     events = read_events(base / "faulty")
-    table = Table(title="recoveries: breakdown in seconds")
-    for col in ("gen", "failed", "resumed", "detect", "stop", "repair", "start", "init", "resume", "recomp", "next",
+    table = Table(title="recoveries: breakdown in seconds (fail/res: iterations)", box=None, show_edge=False,
+                  padding=(0, 1), pad_edge=False)  # 12 columns in 80
+    for col in ("gen", "fail", "res", "detect", "stop", "repair", "start", "init", "resume", "recomp", "next",
                 "total"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", min_width=len(col))
     lost = 0.0
     for e in (e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")):
         b = e["breakdown"]

@@ -19,6 +19,7 @@ def main(recipe_file: str) -> None:
     from leto_lightning.models.config import load_recipe
     from leto_lightning.models.data import make_dataloaders
     from leto_lightning.models.lightning_module import MoELanguageModel
+    from leto_lightning.runtime.storage import atomic_torch_save
 
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     recipe = load_recipe(recipe_file)
@@ -39,8 +40,8 @@ def main(recipe_file: str) -> None:
                          **recipe.trainer.lightning_kwargs())
     trainer.fit(model, train, val)
     rank = int(os.environ.get("RANK", "0"))
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "optimizer": trainer.optimizers[0].state_dict()}, os.path.join(run_dir, f"final_rank{rank}.pt"))
+    atomic_torch_save({"params": [p.detach().clone() for p in model.parameters()],  # never half-written
+                       "optimizer": trainer.optimizers[0].state_dict()}, os.path.join(run_dir, f"final_rank{rank}.pt"))
 
 
 if __name__ == "__main__":
