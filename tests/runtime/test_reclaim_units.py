@@ -159,3 +159,13 @@ def test_policy_promotes_after_free_long_enough_up_to_the_launch_level_if_it_fit
     q.observe_shadow(ShadowLevel.L2, 100 * MIB)
     assert all(q.decide(_sample(600), t) is None for t in (3.0, 10.0, 30.0))  # L3 again: 600-400 < high
     assert q.decide(_sample(700), 31.0).new == ShadowLevel.L3  # free above high all along: fits now
+
+
+def test_multi_node_jobs_refuse_a_memory_budget_before_anything_starts(tmp_path) -> None:
+    from leto_lightning.runtime.agent import Agent, LaunchSpec
+
+    spec = LaunchSpec(script=__file__, args=[], nnodes=2, node_rank=0, master_port=29999,
+                      run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigurationError, match="only single-node"):
+        Agent(spec, reclaim=ReclaimConfig())
+    assert not (tmp_path / "run").exists()  # refused before the run dir was claimed

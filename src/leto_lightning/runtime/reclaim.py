@@ -244,7 +244,7 @@ def config_from_args(args) -> ReclaimConfig | None:
         parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,
         parse_size(args.device_memory_budget, "--device-memory-budget") if args.device_memory_budget else None)
     has_budget = budget.node_bytes is not None or budget.device_bytes is not None
-    if args.memory_reclaim == "off" and not has_budget or args.memory_reclaim == "auto" and not has_budget:
+    if not has_budget and args.memory_reclaim != "on":
         return None
     return ReclaimConfig(enabled=args.memory_reclaim != "off", budget=budget,
                          low=watermark(args.reclaim_low, "--reclaim-low"),
