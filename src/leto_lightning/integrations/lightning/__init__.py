@@ -51,6 +51,9 @@ def _make_strategy(**kwargs: Any) -> Any:
     return LetoStrategy(**kwargs)
 
 
+_make_strategy.leto_factory = True  # type: ignore[attr-defined]  # strategy.py replaces only this
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -125,7 +125,7 @@ class LetoStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"leto"`` once; the inherited method would re-register every ``ddp*`` name."""
         entry = dict.get(strategy_registry, STRATEGY_NAME)  # the registry's own get() instantiates
-        if entry is None or entry["strategy"] is not cls:  # absent, or the package's import-time factory
+        if entry is None or getattr(entry["strategy"], "leto_factory", False):  # or the package's import-time one
             strategy_registry.register(STRATEGY_NAME, cls, override=True,
                                        description="Leto: DDP with retained optimizer state and in-place recovery")
 
