@@ -80,13 +80,13 @@ class ProgressRecord:
         pair, seq = self._next_pair()
         data = torch.frombuffer(bytearray(_HEADER.pack(_MAGIC, seq, len(body), _crc(seq, len(body), body)) + body),
                                 dtype=torch.uint8)
-        for slot in self._pairs[pair]:
+        for i, slot in enumerate(self._pairs[pair]):
             target = self._slots[slot]
             # Invalidate the slot first: a crash from here on leaves it unreadable, never half-valid.
             target[:8].zero_()
             half = len(data) // 2
             target[8:half].copy_(data[8:half])
-            if self._on_half_written is not None:
+            if self._on_half_written is not None and i == 0:  # once per entry: kill points count entries
                 self._on_half_written()
             target[half : len(data)].copy_(data[half:])
             target[:8].copy_(data[:8])  # the magic last: the slot becomes valid in one 8-byte store
