@@ -163,6 +163,12 @@ def test_non_hof_failure_restarts_from_the_last_checkpoint_file(reference: Run, 
         assert same_state(run.final(rank), reference.final(rank)) == [], f"rank {rank}"
     assert run.loss_series() == reference.loss_series()
     assert "checkpoint restarts: 1" in run.output
+    import torch
+
+    files = sorted((tmp_path / "run").rglob("*.ckpt"))
+    assert files, "the job wrote no checkpoint file"
+    for path in files:  # under leto launch too (the payload carries the loggers' state): data only
+        assert torch.load(path, weights_only=True)["callbacks"]["LetoLoopStateCallback"]["payload"]["logs"], path
 
 
 # -- without launching anything -------------------------------------------------------------------
