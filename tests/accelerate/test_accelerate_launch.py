@@ -78,7 +78,7 @@ def test_accelerate_launch_fault_free_then_five_kills_on_the_same_port(reference
     env = dict(QUIET, LETO_FAULTS=json.dumps(faults))
     log = tmp_path / "second.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(accelerate_cmd(port, "--sleep", "0.8"), cwd=tmp_path, env=env, stdout=f,
+        proc = subprocess.Popen(accelerate_cmd(port, "--sleep", "0.4"), cwd=tmp_path, env=env, stdout=f,
                                 stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(_run_dirs(tmp_path, port)) == 2, 120, "the second job's run dir")
