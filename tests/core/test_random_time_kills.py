@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from leto_lightning.faults.crash import KillAfter, KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences, run_step
+from leto_lightning.faults.scenario import CoreScenario, differences
 
 from .crash_cases import _prepared, _recover_and_continue, _shadow_step
 

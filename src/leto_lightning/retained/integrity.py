@@ -100,7 +100,7 @@ class Metadata:
     def seal_all(self) -> None:
         """Checksum and mirror everything (a new store, a whole-state commit, after recovery).
         The scalar state is sealed before the chunks: the last chunk's sum is the commit point."""
-        p, m = self.primary, self.mirror
+        p = self.primary
         p.sums[self.n_chunks + 1] = self.state_sum(p)
         p.sums[self.n_chunks] = self.grad_sum(p)
         for c in range(self.n_chunks):

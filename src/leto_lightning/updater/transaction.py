@@ -158,7 +158,7 @@ class ChunkTransactions:
 
     # -- one chunk -----------------------------------------------------------------------
     def run_chunk(self, chunk: int, iteration: int, hparams: Sequence[dict], skip: frozenset = frozenset()) -> None:
-        store, lay = self.store, self.layout
+        lay = self.layout
         table = self._table
         if table[chunk, 0] != iteration:
             raise RecoveryError(
