@@ -3,9 +3,10 @@
 A prepared loader (Accelerate's ``DataLoaderShard``) gets a subclass of its own class (so
 ``isinstance`` and every attribute hold) whose ``__iter__``:
 
-- records the epoch-start random state (the process's generators and the loader's own
-  ``synchronized_generator``/sampler generator): the shuffled order of a default
-  ``RandomSampler`` depends on it at ``iter()`` time, not on the epoch number;
+- records the epoch-start random state (the process's generators, the loader's own
+  ``synchronized_generator``/sampler generator, a seedable sampler's initial seed): the shuffled
+  order of a default ``RandomSampler`` depends on it at ``iter()`` time, not on the epoch
+  number, and a ``SeedableRandomSampler``'s on the seed of the process that built it;
 - counts the batches it yielded this pass (Accelerate's ``iteration`` counts the passes);
 - calls the accelerator's per-batch hook before each batch reaches the loop (heartbeats, the
   resume payload of the step before, fault points);
@@ -70,12 +71,28 @@ class _PositionedLoader:
             found.append(g)
         return found
 
+    def _leto_seeded_samplers(self) -> list:
+        """Accelerate's ``SeedableRandomSampler``s: their order is a function of ``initial_seed``
+        (the process's ``torch.initial_seed()`` when built) and the epoch."""
+        base = getattr(self, "base_dataloader", None)
+        batch_sampler = getattr(base, "batch_sampler", None)
+        found = [getattr(base, "sampler", None), getattr(batch_sampler, "sampler", None),
+                 getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)]
+        out: list = []
+        for sampler in found:
+            if hasattr(sampler, "initial_seed") and all(sampler is not s for s in out):
+                out.append(sampler)
+        return out
+
     def _leto_random_state(self) -> dict:
-        return {"process": rng_states(), "loader": generator_states(self._leto_generators())}
+        return {"process": rng_states(), "loader": generator_states(self._leto_generators()),
+                "seeds": [s.initial_seed for s in self._leto_seeded_samplers()]}
 
     def _leto_set_random_state(self, state: dict) -> None:
         set_rng_states(state["process"])
         set_generator_states(self._leto_generators(), state["loader"])
+        for sampler, seed in zip(self._leto_seeded_samplers(), state.get("seeds", ())):
+            sampler.initial_seed = seed
 
     def __iter__(self) -> Iterator[Any]:
         self._leto_accelerator._leto_iter_started(self)
