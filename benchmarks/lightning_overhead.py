@@ -104,7 +104,7 @@ class StepTimer(Callback):
         return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
 
-def fit(strategy: str, size: str, steps: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+def fit(strategy: str, size: str, steps: int, page_kib: int = 0) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     """One fit of ``steps`` steps; returns each step's (wall, CPU) seconds and the final weights."""
     dim, layers, batch, seq = SIZES[size]
     pl.seed_everything(3, verbose=False)
@@ -113,8 +113,9 @@ def fit(strategy: str, size: str, steps: int) -> tuple[list[tuple[float, float]]
     tokens = torch.randint(0, VOCAB, (batch * steps, seq + 1), generator=g)
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=False)
     job = new_job_id()
+    retained = {"page_bytes": page_kib * 1024} if page_kib else {}  # default: RetainedConfig's
     chosen = pl.strategies.DDPStrategy() if strategy == "ddp" else leto_lightning.integrations.lightning.LetoStrategy(
-        job_id=job)
+        job_id=job, **retained)
     timer = StepTimer()
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=chosen, max_steps=steps, gradient_clip_val=1.0,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -129,7 +130,7 @@ def fit(strategy: str, size: str, steps: int) -> tuple[list[tuple[float, float]]
     return timer.steps(), weights
 
 
-def bench(size: str, rounds: int, steps: int, warmup: int, out) -> dict:
+def bench(size: str, rounds: int, steps: int, warmup: int, out, page_kib: int = 0) -> dict:
     wall: dict[str, list[float]] = {"ddp": [], "leto": []}
     cpu: dict[str, list[float]] = {"ddp": [], "leto": []}
     ratios, identical = [], True
@@ -137,7 +138,7 @@ def bench(size: str, rounds: int, steps: int, warmup: int, out) -> dict:
         order = ("ddp", "leto") if r % 2 == 0 else ("leto", "ddp")
         medians, weights = {}, {}
         for name in order:
-            step_s, weights[name] = fit(name, size, steps + warmup)
+            step_s, weights[name] = fit(name, size, steps + warmup, page_kib)
             counted = step_s[warmup:]
             wall[name] += [w for w, _ in counted]
             cpu[name] += [c for _, c in counted]
@@ -172,6 +173,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="counted steps per fit (0: 40 / 16 / 6 by size)")
     p.add_argument("--warmup", type=int, default=3, help="uncounted first steps of every fit")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both strategies)")
+    p.add_argument("--page-kib", type=int, default=0, help="retained page size for leto (0: the default, 1 MiB)")
     p.add_argument("--profile", metavar="SIZE", help="profile one leto fit of SIZE instead")
     args = p.parse_args()
     # Lightning's DDP launcher sets torch's thread count to cpu_count // devices unless
@@ -188,8 +190,8 @@ def main() -> None:
     out = lambda s: print(s, flush=True)  # noqa: E731
     out(f"torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()}, "
         f"{args.threads} intra-op thread(s), {os.cpu_count()} CPUs; one rank (gloo); rounds {args.rounds}, "
-        f"warm-up {args.warmup} steps per fit")
-    rows = [bench(size, args.rounds, args.steps or default_steps[size], args.warmup, out)
+        f"warm-up {args.warmup} steps per fit; leto pages: {args.page_kib or 1024} KiB")
+    rows = [bench(size, args.rounds, args.steps or default_steps[size], args.warmup, out, args.page_kib)
             for size in args.sizes.split(",")]
     out("\n| step size | ddp ms/step | leto ms/step | leto / ddp (wall) | paired ratio | fixed cost ms/step | "
         "ddp CPU ms/step | leto CPU ms/step | leto / ddp (CPU) | steps | bit-identical |")
