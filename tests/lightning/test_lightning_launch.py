@@ -256,11 +256,12 @@ def test_recovery_metrics_and_summary_from_events() -> None:
     assert "ETTR: 0.9750" in table
 
 
-def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp_path) -> None:
+def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp_path, monkeypatch) -> None:
     """Two `leto launch` node agents (loopback), one rank each, `Trainer(num_nodes=2,
     devices=1)`: a HOF on node 1 mid-update is recovered on both nodes through the store;
     bit-identical to the one-node fault-free run (same global ranks and data)."""
     port = free_port()
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())  # separate run dirs: every node gets the job's secret
     faults = [{"id": 0, "rank": 1, "iteration": 11, "point": "chunk.math_done", "occurrence": 3,
                "wait_shadows": True}]
     procs = []

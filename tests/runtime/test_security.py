@@ -305,6 +305,14 @@ def test_nodes_share_the_secret_or_stop_saying_how(tmp_path, monkeypatch):
     monkeypatch.setenv(auth.SECRET_ENV, "another-secret-of-20")  # node 1 was given a different one
     with pytest.raises(LetoTimeoutError, match="differs from node 0's"):
         auth.job_secret(node1, 1, 2, str(tmp_path), None, timeout=0.3)
+    elsewhere = tmp_path / "node1-own-run-dir"  # node 1 not on the shared filesystem, no secret given
+    elsewhere.mkdir()
+    monkeypatch.delenv(auth.SECRET_ENV)
+    monkeypatch.setattr(auth, "SHARED_FILE_GRACE_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(LetoTimeoutError, match="no matching job.secret"):  # at once after the grace,
+        auth.job_secret(node1, 1, 2, str(elsewhere), None, timeout=600)  # not at the start-up timeout
+    assert time.monotonic() - started < 60
     monkeypatch.setenv(auth.SECRET_ENV, "short")
     with pytest.raises(ValueError, match="at least 16"):
         auth.job_secret(node1, 1, 2, str(tmp_path), None, timeout=0.3)

@@ -10,8 +10,8 @@
   ``RUN_DIR/job.secret`` (0600) and the others read it there: that needs the run dir on a
   filesystem every node sees (always true for the ranks of one machine).
 - Node 0 publishes the secret's fingerprint (an HMAC of a constant: it reveals nothing); a node
-  whose secret does not match waits for a matching one and, at the start-up timeout, stops with
-  an error that says which secret to give.
+  whose secret does not match stops with an error that says which secret to give: at once when
+  the secret was given, after a short grace when it is read from a shared run dir.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..errors import ConfigurationError, LetoTimeoutError
 
 SECRET_ENV = "LETO_SECRET"
 SECRET_FILE_ENV = "LETO_SECRET_FILE"
+SHARED_FILE_GRACE_S = 10.0  # how long node 0's RUN_DIR/job.secret may take to appear on a shared filesystem
 CHILD_ENV = "LETO_AUTH_KEY"  # what the agent gives its trainers (hex)
 SECRET_FILE = "job.secret"
 FINGERPRINT_KEY = "auth/fingerprint"
@@ -93,6 +94,7 @@ def job_secret(store, node_rank: int, nnodes: int, run_dir: str, secret_file: st
         store.set(FINGERPRINT_KEY, fingerprint(secret))
         return secret
     deadline = time.monotonic() + timeout
+    published_at: float | None = None
     while True:
         check_stop()
         if store.check([FINGERPRINT_KEY]):
@@ -100,11 +102,16 @@ def job_secret(store, node_rank: int, nnodes: int, run_dir: str, secret_file: st
             secret = given if given is not None else _shared_file_secret(run_dir)
             if secret is not None and hmac.compare_digest(fingerprint(secret), wanted):
                 return secret
+            # Node 0 has published: a given secret cannot change any more, and a shared run dir
+            # shows node 0's file within a few seconds -- no reason to wait for the start-up timeout.
+            if published_at is None:
+                published_at = time.monotonic()
+                deadline = min(deadline, published_at + (0.0 if given is not None else SHARED_FILE_GRACE_S))
         if time.monotonic() > deadline:
             how = ("its LETO_SECRET / --secret-file differs from node 0's" if given is not None else
                    f"no matching {SECRET_FILE} in {run_dir} (node 0 writes it there)")
             raise LetoTimeoutError(
-                f"node {node_rank} did not get the job's secret within {timeout:.0f} s: {how}. Give every node's "
+                f"node {node_rank} did not get the job's secret: {how}. Give every node's "
                 f"`leto launch` the same fresh secret ({SECRET_ENV} or --secret-file), or a run dir on a filesystem "
                 "all nodes share")
         time.sleep(0.1)
