@@ -113,6 +113,10 @@ def trainer_for(cfg: RunConfig) -> pl.Trainer:
 
 def fit(cfg: RunConfig) -> dict:
     """Run one fit (in the calling process); returns copies of what the tests compare."""
+    # One intra-op thread for every strategy compared here: the single-device strategy keeps torch's
+    # default while "ddp" and "leto" set CPUs // processes when OMP_NUM_THREADS is unset (Lightning's
+    # launcher convention, checked by the conformance tests); the thread count changes CPU reduction order.
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.pop("PL_GLOBAL_SEED", None)
     model = (cfg.module or TinyModule)(cfg.optimizer, cfg.scheduler, cfg.seed, cfg.loss_file)

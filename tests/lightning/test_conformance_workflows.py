@@ -144,10 +144,9 @@ def optimizer_state(trainer: pl.Trainer) -> dict:
 
 
 def seeded() -> None:
-    # One intra-op thread for both: Lightning's own launcher (the one "ddp" uses) sets the
-    # thread count from the CPU count when OMP_NUM_THREADS is unset; an explicit value is kept.
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    # No thread setting of our own: "ddp"'s launcher and Leto's both choose the thread count the
+    # same way when OMP_NUM_THREADS is unset (what a user's environment usually is).
+    os.environ.pop("OMP_NUM_THREADS", None)
     os.environ.pop("PL_GLOBAL_SEED", None)
     torch.manual_seed(99)
 

@@ -35,6 +35,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from . import per_rank
@@ -109,6 +110,10 @@ class LetoLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         check_launch(strategy)
+        # What "ddp"'s launcher does in every process it runs (started by it, torchrun or by hand): with
+        # OMP_NUM_THREADS unset, CPUs // processes intra-op threads. Another thread count changes the
+        # reduction order of CPU kernels (LayerNorm gradients differ by an ulp from the first step).
+        _set_num_threads_if_needed(num_processes=strategy.num_processes)
         if getattr(function, "__name__", "") == "_fit_impl":
             bound = inspect.signature(function).bind(*args, **kwargs)
             bound.arguments["ckpt_path"] = strategy.resolve_fit_ckpt_path(bound.arguments.get("ckpt_path"), trainer)
