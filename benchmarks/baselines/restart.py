@@ -1,4 +1,4 @@
-"""Full-restart baselines on the same harness as Leto (DESIGN.md section 2.7).
+"""Full-restart baselines on the same harness as Leto (docs/design.md section 2.7).
 
 A torchrun-style driver: it starts the ranks of ``ddp_train.py`` as fresh ``python``
 processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True in

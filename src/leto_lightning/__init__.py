@@ -1,6 +1,6 @@
 """leto-lightning: in-place recovery from hardware-operable failures in LLM training.
 
-Parts (DESIGN.md section 2): ``retained`` (paged retained memory), ``protection``
+Parts (docs/design.md section 2): ``retained`` (paged retained memory), ``protection``
 (two-tier Reed-Solomon parity), ``updater`` (chunk transactions), ``runtime``
 (launcher, agent, detection), ``shadow`` (pre-warmed trainers), ``integrations``
 (Lightning, Accelerate), ``sim`` (large-scale simulator).

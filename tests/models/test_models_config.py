@@ -1,4 +1,4 @@
-"""Recipes load, match DESIGN.md section 3, and reject bad keys/values by name."""
+"""Recipes load, match docs/design.md section 5, and reject bad keys/values by name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from leto_lightning.models.config import (
     recipe_path, recipes_dir,
 )
 
-# DESIGN.md section 3: total / active parameters (billions) and DP, TP, PP, EP, sharded.
+# docs/design.md section 5: total / active parameters (billions) and DP, TP, PP, EP, sharded.
 DESIGN = {
     "qwen": (4.0, 4.0, 2, 2, 1, 1, False),
     "olmoe": (6.9, 1.3, 2, 2, 1, 4, True),

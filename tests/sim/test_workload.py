@@ -67,7 +67,7 @@ def test_yaml_far_from_design_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_workload("qwen")
-    assert any("off DESIGN.md" in str(w.message) for w in caught)
+    assert any("off docs/design.md" in str(w.message) for w in caught)
 
 
 def test_tiny_form_from_a_yaml_path() -> None:

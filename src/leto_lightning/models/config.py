@@ -251,7 +251,7 @@ class FaultsConfig:
 
 @dataclass
 class LetoSection:
-    """Retained-state protection and shadow settings (DESIGN.md 2.1-2.4)."""
+    """Retained-state protection and shadow settings (docs/design.md 2.1-2.4)."""
 
     page_bytes: int = 65536
     data_pages: int = 8

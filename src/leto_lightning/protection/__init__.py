@@ -1,4 +1,4 @@
-"""protection: Reed-Solomon parity over retained pages (DESIGN.md 2.2)."""
+"""protection: Reed-Solomon parity over retained pages (docs/design.md 2.2)."""
 
 from .checksum import CHECKSUM_ALGORITHM, checksum, checksum_many
 from .codec import ReedSolomonCode

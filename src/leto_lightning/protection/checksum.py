@@ -2,7 +2,7 @@
 
 Recovery verifies every page against the checksum recorded at commit; a mismatch marks
 the page lost at a *known* position, which Reed-Solomon repairs with one parity page
-per loss (DESIGN.md 2.2, "Detection").
+per loss (docs/design.md 2.2, "Detection").
 
 Algorithm: ISA-L's ``crc64_ecma_refl`` (CRC-64/XZ; about 11.6 GB/s on one core here)
 from the same ``libisal`` the erasure engine loads; without ISA-L, ``zlib.crc32``

@@ -4,7 +4,7 @@ The generator is ``[I; C]`` with ``C = cauchy_matrix(k, m)`` (first row all ones
 parity 0 is the XOR of the data). Data pages are stored as they are; ``m`` parity pages
 are ``P_j = XOR_i C[j, i] * D_i``. Because parity is linear, changing page ``i`` from
 ``old`` to ``new`` only needs ``P_j ^= C[j, i] * (old ^ new)`` -- the undo buffer
-already holds ``old``, so a delta costs no extra read of the data (DESIGN.md 2.2).
+already holds ``old``, so a delta costs no extra read of the data (docs/design.md 2.2).
 
 A group may hold fewer than ``k`` data pages (the short last group of a device): it
 uses the first ``len(data)`` columns, which is still an MDS code.

@@ -1,7 +1,7 @@
 """Device pages, host parity: the parity arithmetic of the CUDA backend.
 
 With ``RetainedConfig(backend="cuda")`` data pages live in device memory and parity pages in
-host memory (DESIGN.md 2.2). ``ReedSolomonCode`` calls these functions whenever its data and
+host memory (docs/design.md 2.2). ``ReedSolomonCode`` calls these functions whenever its data and
 parity pages sit on different devices. What crosses PCIe (docs/cuda-backend.md):
 
 * **delta** (every page a chunk transaction rewrites, once per tier): ``old ^ new`` is computed

@@ -12,7 +12,7 @@ Shape of the data area of one rank::
 Each box is a *region*: ``padded_numel`` elements of one *kind* (params, grads, or one
 optimizer-state buffer), a whole number of pages. Element ``i`` of a segment sits at the same
 offset in every region of that segment, so a *chunk* -- elements ``[l*E, (l+1)*E)`` of a
-segment -- is the same page range in each region: the unit of a chunk transaction (DESIGN.md
+segment -- is the same page range in each region: the unit of a chunk transaction (docs/design.md
 section 2.3). Segments never mix dtypes or param groups, so one chunk has one set of
 hyper-parameters.
 """

@@ -17,7 +17,7 @@ and one per node: ``leto-<job>-node<k>-parity2`` with the tier-2 stripes.
 With ``RetainedConfig(backend="cuda")`` the ``data`` and ``undo`` segments are device memory
 owned by a state-manager process and opened through CUDA IPC (``backends.cuda_ipc``): the views
 below are then CUDA tensors. Everything else stays in host shared memory (parity lives in host
-memory, DESIGN.md 2.2).
+memory, docs/design.md 2.2).
 
 The process that *creates* the segments owns them (the state manager); trainers attach.
 """

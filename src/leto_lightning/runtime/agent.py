@@ -1,6 +1,6 @@
 """The per-node agent of ``leto launch``: starts the trainers, watches them, recovers.
 
-Lifecycle of one failure (DESIGN.md section 2.5)::
+Lifecycle of one failure (docs/design.md section 2.5)::
 
     detect (exit / hang) -> classify -> HOF: stop every active trainer -> new generation ->
     recover retained state (undo-restore, repair, roll forward) -> promote the shadows (or start

@@ -30,7 +30,7 @@ class ClassificationRule:
 
 
 def default_rules() -> tuple[ClassificationRule, ...]:
-    """DESIGN.md section 1: software failures and contained device errors are operable."""
+    """docs/design.md section 1: software failures and contained device errors are operable."""
     storage = tuple(ClassificationRule(False, f"storage error in the run dir ({text}): free space or fix the "
                                               "filesystem, then relaunch (resumes from the last checkpoint)",
                                        exception=text, stop=True) for text in STORAGE_MESSAGES)

@@ -1,7 +1,7 @@
 """Failure arrivals: Poisson from a job MTTF (or a per-GPU MTTF scaled by cluster size), a share
 of hardware-operable failures (HOFs), or a trace file.
 
-Default reference (``DESIGN.md`` section 1): Llama 3 saw 419 unexpected interruptions in 54 days
+Default reference (``docs/design.md`` section 1): Llama 3 saw 419 unexpected interruptions in 54 days
 on 16,384 H100s (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4), i.e. a job
 MTTF of 3.1 h and a per-GPU MTTF of 54 d x 16,384 / 419 = 50,700 GPU-hours (5.8 years). Scaled to
 131,072 GPUs that is a 23-minute job MTTF; Kokolis et al. (HPCA 2025, "Revisiting Reliability in

@@ -1,6 +1,6 @@
 """Start-up and recovery time terms, and how they grow with the number of GPUs.
 
-Calibration anchors (``/work/shared/paper-figures.md``, Table 3: Kimi-MoE on 64 A100s):
+Calibration anchors (the Leto paper's Table 3, copied in ``docs/sim/measured.json``: Kimi-MoE on 64 A100s):
 Gemini's recovery initializes for 59 s, Gemini+ (a pre-warmed spare process) for 35 s and Leto
 for 15 s. The split of those totals into the terms below is an assumption (the paper gives only
 the totals); the terms that grow with cluster size come from public measurements:
@@ -13,7 +13,7 @@ the totals); the terms that grow with cluster size come from public measurements
   and operation; PyTorch moved to a libuv TCPStore backend for jobs of 1K to 96K ranks because
   the legacy one did not scale, see the "Introduction to Libuv TCPStore Backend" tutorial).
 
-This project's own measurement (``/work/shared/notes/lightning-accelerate.md``): importing torch
+This project's own measurement (on its 2-core CPU machines): importing torch
 and lightning takes ~5.2 s on the CPU machines and a 2-rank torchrun + Lightning job reaches its
 first step 9.3-9.8 s after launch; GPU images import more, hence 10 s below.
 """

@@ -6,7 +6,7 @@ knob (checkpoint interval I, or MoEvement's sparse window W): the iteration time
 system's overhead, the checkpoint stall, and per failure kind (HOF / non-HOF) the recovery modes
 with their probabilities, durations and rollback targets.
 
-Systems (``DESIGN.md`` section 2.7; paper-figures.md Table 3/4):
+Systems (``docs/design.md`` section 2.7; the Leto paper's Tables 3/4, docs/sim/measured.json):
 
 - ``checkpoint``: checkpoint-restart. Snapshots go to persistent storage; a failure restarts every
   process cold, reloads from storage and recomputes since the checkpoint.
@@ -161,7 +161,7 @@ class SystemContext:
 
 
 def shadow_level(ctx: SystemContext) -> int:
-    """Pre-init level the shadow keeps with the training memory in use (DESIGN.md 2.4)."""
+    """Pre-init level the shadow keeps with the training memory in use (docs/design.md 2.4)."""
     free = ctx.hardware.hbm_gb - memory_per_gpu(ctx.workload).total_gb
     return 3 if free >= SHADOW_L3_GB else 2 if free >= SHADOW_L2_GB else 1
 

@@ -21,13 +21,13 @@ from leto_lightning.sim.systems import get_system
 from leto_lightning.sim.validation import ettr_rows, iteration_rows
 from leto_lightning.sim.workload import load_workload
 
-# paper-figures.md, Table 6: measured iteration times (s) of the paper's A100 runs.
+# The Leto paper, Table 6: measured iteration times (s) of the paper's A100 runs.
 PAPER_ITERATION_S = {"qwen": 3.556, "olmoe": 12.002, "deepseek_moe": 5.927, "gpt_moe": 5.363,
                      "kimi_moe": 9.097}
-# paper-figures.md, Table 3: (recovery, init, recompute, ETTR) per (system, interval).
+# The Leto paper, Table 3: (recovery, init, recompute, ETTR) per (system, interval).
 PAPER_TABLE3 = {("gemini", 11): (127, 59, 68, 0.741), ("gemini+", 11): (88, 35, 53, 0.805),
                 ("leto", 11): (19, 15, 5, 0.910), ("leto", 32): (16, 13, 3, 0.942)}
-# paper-figures.md, Table 4: I (Gemini, Gemini+) and W (MoEvement) at MTTF 10 min, 30 min, 1 h.
+# The Leto paper, Table 4: I (Gemini, Gemini+) and W (MoEvement) at MTTF 10 min, 30 min, 1 h.
 PAPER_TABLE4 = {"qwen": ((22, 37, 53), None), "olmoe": ((5, 9, 12), (2, 4, 4)),
                 "deepseek_moe": ((15, 25, 36), (8, 8, 8)), "gpt_moe": ((12, 21, 29), (4, 8, 8)),
                 "kimi_moe": ((11, 19, 27), (4, 8, 8))}

@@ -215,7 +215,7 @@ class Workload:
                 f"{', sharded optimizer' if p.sharded_optimizer else ''})")
 
 
-# DESIGN.md section 3: total / active parameters in billions.
+# docs/design.md section 5: total / active parameters in billions.
 DESIGN_PARAMS: Dict[str, Tuple[float, float]] = {
     "qwen": (4.0, 4.0), "olmoe": (6.9, 1.3), "deepseek_moe": (16.4, 2.8),
     "gpt_moe": (20.9, 3.6), "kimi_moe": (49.1, 3.1), "deepseek_v2": (236.0, 21.0),
@@ -327,7 +327,7 @@ def _from_yaml(path: Path, size: str, fallback: Optional[Workload]) -> Tuple[Wor
 
 
 def check_against_design(workload: Workload, tolerance: float = 0.05) -> List[str]:
-    """Warnings where the counted parameters are off DESIGN.md section 3 by more than 5%."""
+    """Warnings where the counted parameters are off docs/design.md section 5 by more than 5%."""
     if workload.name not in DESIGN_PARAMS:
         return []
     notes = []
@@ -336,14 +336,14 @@ def check_against_design(workload: Workload, tolerance: float = 0.05) -> List[st
         err = got / (want * 1e9) - 1.0
         if abs(err) > tolerance:
             notes.append(f"{workload.name}: {label} parameters {got / 1e9:.2f}B are "
-                         f"{err:+.1%} off DESIGN.md's {want}B")
+                         f"{err:+.1%} off docs/design.md's {want}B")
     return notes
 
 
 def load_workload(name_or_path: str, size: str = "full") -> Workload:
     """A recipe by name (YAML if present, else built in) or by YAML path.
 
-    Differences from DESIGN.md's parameter table (> 5%) and fields filled from the built-in
+    Differences from docs/design.md's parameter table (> 5%) and fields filled from the built-in
     definition are reported with ``warnings.warn``.
     """
     require(size in ("full", "tiny"), "size", size, "must be 'full' or 'tiny'")

@@ -1,4 +1,4 @@
-"""Recovery of retained state as a crash left it (DESIGN.md sections 2.2-2.3).
+"""Recovery of retained state as a crash left it (docs/design.md sections 2.2-2.3).
 
 For the ranks of one node (a single rank is a node of one):
 

@@ -1,4 +1,4 @@
-"""Chunk transactions: the crash-consistent optimizer update (DESIGN.md section 2.3).
+"""Chunk transactions: the crash-consistent optimizer update (docs/design.md section 2.3).
 
 Iteration ``t`` moves every chunk from version ``t`` to ``t + 1``:
 

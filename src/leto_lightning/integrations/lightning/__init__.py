@@ -1,4 +1,4 @@
-"""Lightning integration: ``Trainer(strategy="leto")`` (DESIGN.md section 2.6).
+"""Lightning integration: ``Trainer(strategy="leto")`` (docs/design.md section 2.6).
 
 Importing this package makes the ``"leto"`` strategy name known to Lightning's
 ``StrategyRegistry`` -- at once if ``lightning.pytorch`` is already imported, otherwise the

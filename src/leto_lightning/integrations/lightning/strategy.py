@@ -292,7 +292,7 @@ class LetoStrategy(DDPStrategy):
         return job
 
     def _prepare_barrier(self) -> Optional[Callable[[], None]]:
-        """No chunk of an iteration commits before every rank prepared it (DESIGN.md 2.3)."""
+        """No chunk of an iteration commits before every rank prepared it (docs/design.md 2.3)."""
         if self.runtime is not None:
             return self.runtime.barrier  # the session's flag all-reduce
         if self.world_size <= 1:

@@ -1,5 +1,5 @@
 """CUDA backend of retained memory: device buffers owned by a state-manager process and
-opened by trainers through CUDA IPC handles (DESIGN.md section 2.1, docs/cuda-backend.md).
+opened by trainers through CUDA IPC handles (docs/design.md section 2.1, docs/cuda-backend.md).
 
 Why a separate process: device memory is freed when the process that allocated it dies. If a
 trainer allocated its own parameters, a crashed trainer would take them along. The
