@@ -60,6 +60,17 @@ def _leaked(before: set[str], grace: float = 3.0) -> set[str]:
         time.sleep(0.2)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.slow`` cases run with ``LETO_LONG=1`` (or ``-m slow``): end-to-end runs whose
+    mechanism another CI case already exercises, kept out of CI's 15 minutes on 2 cores."""
+    if os.environ.get("LETO_LONG") or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow end-to-end case: LETO_LONG=1 runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def _children() -> set[int]:
     me = os.getpid()
     out = set()

@@ -96,6 +96,7 @@ def test_accelerate_launch_fault_free_then_five_kills_on_the_same_port(reference
     assert len({e["job_id"] for e in all_events(second) if e["event"] == "job_started"}) == 1
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_leto_launch_exact_mode_with_an_ema_after_the_step(reference: Path, tmp_path) -> None:
     """``LetoConfig(rollback_window=True)``: an EMA updated after ``opt.step()`` (user code the
     default mode does not replay) survives a kill right after a step and one mid-accumulation,
@@ -120,6 +121,7 @@ def test_leto_launch_exact_mode_with_an_ema_after_the_step(reference: Path, tmp_
     _check_failures(run_dir, killer.kills, 3)
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_torchrun_ranks_become_agents_and_recover(reference: Path, tmp_path) -> None:
     """``torchrun --standalone --nproc-per-node 2``: one kill inside an update, one from outside."""
     run_dir = tmp_path / "run"

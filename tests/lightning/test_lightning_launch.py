@@ -120,6 +120,7 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
     assert all(step in wandb_losses for step in expected if step >= finished[-1]["resume_iteration"])
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None:
     """Someone else kills an active trainer (found through events.jsonl): recovered in place."""
     run_dir = tmp_path / "run"
@@ -148,6 +149,7 @@ def test_external_sigkill_of_an_active_trainer(reference: Run, tmp_path) -> None
     assert len(run.recovery_rows()) == 1
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_non_hof_failure_restarts_from_the_last_checkpoint_file(reference: Run, tmp_path) -> None:
     """A failure declared not a HOF: every trainer restarts with LETO_RESUME=checkpoint and the
     script's fit(ckpt_path="last") resumes from the file saved after step 20 -- bit-identical,
@@ -256,6 +258,7 @@ def test_recovery_metrics_and_summary_from_events() -> None:
     assert "ETTR: 0.9750" in table
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp_path, monkeypatch) -> None:
     """Two `leto launch` node agents (loopback), one rank each, `Trainer(num_nodes=2,
     devices=1)`: a HOF on node 1 mid-update is recovered on both nodes through the store;
@@ -285,6 +288,7 @@ def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp
     assert runs[0].loss_series() == reference.loss_series()
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_16_mixed_with_hofs_equals_lightning_ddp(tmp_path) -> None:
     """fp16 with a GradScaler (overflowing, backing off, growing) under `leto launch`: HOFs
     mid-update and inside the epoch-end validation; the promoted shadows continue with the

@@ -130,6 +130,7 @@ def _slurm_job_id() -> str:
     raise AssertionError("no free port in 15000-24999")
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_srun_ranks_are_supervised_and_recover_in_place(reference: Run, tmp_path) -> None:
     """Two processes with srun's variables (what srun gives each task on one node): each becomes
     its rank's agent, rank 0's hosting the store at Lightning's SLURM address and port; rank 0's

@@ -93,6 +93,7 @@ def test_hang_detected_and_waiting_shadow_replaced(tmp_path, reference):
         assert same_state(result.final(r), reference.final(r)) == []
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, reference):
     faults = [{"id": 0, "rank": 0, "iteration": 6, "point": "chunk.math_done", "occurrence": 2},
               {"id": 1, "rank": 1, "point": "promotion.resume"}]  # the promoted shadow of rank 1 dies
@@ -129,6 +130,7 @@ def _events(run_dir):
     return iter_events(run_dir)
 
 
+@pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_level1_shadow_builds_after_promotion(tmp_path, reference):
     """L1: the shadow holds only the interpreter and imports; it builds everything once promoted."""
     faults = [{"id": 0, "rank": 1, "iteration": 9, "point": "chunk.math_done", "occurrence": 1, "wait_shadows": True}]
