@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from leto_lightning.faults import launched
-from leto_lightning.faults.launched import LaunchedRun, free_port, wait_for  # noqa: F401
+from leto_lightning.faults.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401
 from leto_lightning.runtime.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,17 +136,6 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
     finally:
         stop(proc)
     return log.read_text()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (the launchers and agents pass it on), then wait."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def assert_nothing_left(run_dir: Path) -> None:
