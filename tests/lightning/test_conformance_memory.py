@@ -34,7 +34,8 @@ def _mapped_leto_segments() -> list[str]:
     """Leto segments this process still maps (freed memory must not stay mapped either)."""
     gc.collect()
     with open("/proc/self/maps") as f:
-        return sorted({line.split()[-1] for line in f if f"{SHM_DIR}/{SEGMENT_PREFIX}" in line})
+        # the path, with " (deleted)" when unlinked but still mapped
+        return sorted({line.split(maxsplit=5)[-1].strip() for line in f if f"{SHM_DIR}/{SEGMENT_PREFIX}" in line})
 
 
 def _left(trainer: pl.Trainer) -> list[str]:
@@ -55,12 +56,13 @@ class _Raises(TinyModule):
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_fit_that_raises_frees_its_retained_memory(error: type[BaseException]) -> None:
     def child() -> dict:
+        inherited = _mapped_leto_segments()  # what the forking test process maps is not this fit's
         trainer, model = _trainer(), _Raises(error)
         # Lightning turns KeyboardInterrupt into a graceful shutdown and sys.exit(1)
         with pytest.raises(SystemExit if error is KeyboardInterrupt else error):
             trainer.fit(model, *dataloaders())
         return {"job": trainer.strategy.job_id, "step": trainer.global_step, "left": _left(trainer),
-                "mapped": _mapped_leto_segments(), "usable": bool(torch.isfinite(model.head.weight.sum()))}
+                "mapped": sorted(set(_mapped_leto_segments()) - set(inherited)), "usable": bool(torch.isfinite(model.head.weight.sum()))}
 
     out = run_in_child(child).value
     assert out["job"] and out["step"] == 4
@@ -69,6 +71,7 @@ def test_a_fit_that_raises_frees_its_retained_memory(error: type[BaseException])
 
 def test_a_completed_fit_and_a_sweep_of_20_leave_nothing() -> None:
     def child() -> dict:
+        inherited = _mapped_leto_segments()  # what the forking test process maps is not these fits'
         train, val = dataloaders(n=8)
         jobs, left = [], []
         for seed in range(20):
@@ -80,7 +83,7 @@ def test_a_completed_fit_and_a_sweep_of_20_leave_nothing() -> None:
             trainer.validate(model, val, verbose=False)
             model.head.weight.sum().item()
             trainer.optimizers[0].state_dict()
-        return {"jobs": len(set(jobs)), "left": left, "mapped": _mapped_leto_segments()}
+        return {"jobs": len(set(jobs)), "left": left, "mapped": sorted(set(_mapped_leto_segments()) - set(inherited))}
 
     out = run_in_child(child, timeout=300).value
     assert out["jobs"] == 20 and out["left"] == [] and out["mapped"] == []
