@@ -46,8 +46,9 @@ def _put(store, key: str, value) -> None:
     store.get(key)
 
 
-def _dead_agents_lock(run_dir) -> int:
-    """A lock left by an agent that was SIGKILLed while holding it; returns the dead pid."""
+def _live_agents_lock(run_dir) -> int:
+    """A forked child that holds the run dir's lock (as a live agent does); returns its pid.
+    The caller SIGKILLs and reaps it."""
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -58,8 +59,20 @@ def _dead_agents_lock(run_dir) -> int:
         finally:
             os._exit(0)
     os.close(ready_w)
-    assert os.read(ready_r, 1) == b"1"
-    os.close(ready_r)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(ready_r)
+    return pid
+
+
+def _dead_agents_lock(run_dir) -> int:
+    """A lock left by an agent that was SIGKILLed while holding it; returns the dead pid."""
+    pid = _live_agents_lock(run_dir)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return pid
@@ -208,24 +221,13 @@ def test_run_dir_is_its_owners_alone(attacked):
 
 
 def test_a_live_lock_is_refused_and_a_dead_one_taken_over(tmp_path):
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            rundir.claim(str(tmp_path))
-            os.write(w, b"1")
-            time.sleep(120)
-        finally:
-            os._exit(0)
+    pid = _live_agents_lock(tmp_path)
     try:
-        assert os.read(r, 1) == b"1"
         with pytest.raises(rundir.RunDirBusy, match=f"pid {pid} "):
             rundir.claim(str(tmp_path))
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        os.close(r)
-        os.close(w)
     claim = rundir.claim(str(tmp_path))
     try:
         assert claim.previous["pid"] == pid
