@@ -48,9 +48,7 @@ def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: i
     job = scenario.create_job()
     try:
         t = rng.randrange(MAX_T)
-        for it in range(t):
-            for r in range(scenario.n_ranks):
-                job.step(r, it)
+        job.run(t)
         ranks = list(range(scenario.n_ranks))
         victims = rng.choice([[r] for r in ranks] + [ranks])
         kills = {r: rng.choice(points) for r in victims}

@@ -37,9 +37,7 @@ def make_base(scenario: CoreScenario, reference, name: str, steps: int) -> BaseS
     """``idle``: iteration ``steps`` killed at its compute phase (grads being rewritten);
     ``torn``: rank 0 killed mid-update of iteration ``steps``, rank 1 finished it."""
     job = scenario.create_job()
-    for it in range(steps):
-        for r in range(scenario.n_ranks):
-            job.step(r, it)
+    job.run(steps)
     if name == "idle":
         assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=KillPoint("compute.begin")).killed
         resume = steps

@@ -31,9 +31,7 @@ def trained():
     sc = CoreScenario()
     ref = sc.reference(STEPS + 1)
     job = sc.create_job()
-    for it in range(STEPS):
-        for r in range(sc.n_ranks):
-            job.step(r, it)
+    job.run(STEPS)
     yield sc, job, ref
     job.close()
 

@@ -55,9 +55,7 @@ def run_time_case(scenario: CoreScenario, reference, duration: float, seed: int)
     job = scenario.create_job()
     try:
         t = rng.randrange(MAX_T)
-        for it in range(t):
-            for r in range(scenario.n_ranks):
-                job.step(r, it)
+        job.run(t)
         ranks = list(range(scenario.n_ranks))
         victims = rng.choice([[r] for r in ranks] + ([ranks] if len(ranks) > 1 else []))
         kills = {}

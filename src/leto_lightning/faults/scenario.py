@@ -109,6 +109,12 @@ class Job:
     def step(self, rank: int, iteration: int) -> None:
         run_step(self.scenario, *self.trainers[rank], rank, iteration)
 
+    def run(self, iterations: int) -> None:
+        """Iterations ``0 .. iterations - 1`` on every rank, rank by rank within each (lockstep)."""
+        for iteration in range(iterations):
+            for rank in range(self.scenario.n_ranks):
+                self.step(rank, iteration)
+
     def attach_trainer(self, rank: int) -> tuple[torch.nn.Module, RetainedOptimizer]:
         """What a shadow does: build the skeleton and bind it to the retained store."""
         store = RetainedStore.attach(self.job_id, rank)
