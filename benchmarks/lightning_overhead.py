@@ -33,16 +33,15 @@ import statistics
 import time
 import warnings
 
+import lightning
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-
-import leto_lightning  # noqa: F401  registers Trainer(strategy="leto")
+import leto_lightning
 from leto_lightning.retained.shm import new_job_id, unlink_segments
 
 # name: (width, layers, batch, seq) -- step times on a 2-vCPU Xeon, one thread

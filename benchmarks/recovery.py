@@ -40,7 +40,6 @@ import platform
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,12 +48,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
+from baselines.restart import Fault, RestartJob
 
-from baselines.restart import Fault, RestartJob  # noqa: E402
-from leto_lightning.examples import PLAIN_DDP  # noqa: E402
-from leto_lightning.runtime.events import iter_events, read_events  # noqa: E402
-from leto_lightning.retained.shm import list_segments  # noqa: E402
+from leto_lightning.examples import PLAIN_DDP
+from leto_lightning.retained.shm import list_segments
+from leto_lightning.runtime.events import iter_events, read_events
 from leto_lightning.runtime.procs import is_alive
 
 SYSTEMS = ("leto-update", "leto-compute", "disk", "shm", "shm-spare")

@@ -26,8 +26,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ from leto_lightning.models.lightning_module import MoELanguageModel
 REPO = Path(__file__).resolve().parents[1]
 
 
-def time_recipe(name: str, steps: int, warmup: int) -> List[float]:
+def time_recipe(name: str, steps: int, warmup: int) -> list[float]:
     """Per-iteration wall times (seconds) of ``steps`` iterations after ``warmup`` ones."""
     recipe = load_recipe(name, ["size=tiny"])
     module = MoELanguageModel.from_recipe(recipe)
@@ -47,7 +47,7 @@ def time_recipe(name: str, steps: int, warmup: int) -> List[float]:
     batches = list(train)
     accumulate = recipe.active.grad_accumulation * recipe.trainer.accumulate_grad_batches
     clip = recipe.trainer.gradient_clip_val
-    times: List[float] = []
+    times: list[float] = []
     for step in range(warmup + steps):
         start = time.perf_counter()
         for micro in range(accumulate):
@@ -62,7 +62,7 @@ def time_recipe(name: str, steps: int, warmup: int) -> List[float]:
     return times
 
 
-def main(argv: Sequence[str] | None = None) -> Dict[str, float]:
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed iterations per recipe")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, float]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = args.recipes or [n for n in list_recipes() if load_recipe(n).tiny is not None]
-    results: Dict[str, float] = {}
+    results: dict[str, float] = {}
     print(f"threads={args.threads} steps={args.steps} repeats={args.repeats} "
           f"load={os.getloadavg()[0]:.2f}")
     print(f"{'recipe':14s} {'params':>9s} {'active':>9s} {'mean s/it':>10s} {'median':>9s} {'50 it (s)':>9s}")

@@ -43,7 +43,7 @@ import platform
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

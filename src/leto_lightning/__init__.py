@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 
 # Trainer(strategy="leto"): registered as soon as lightning.pytorch is imported (lazy; costs nothing
 # without Lightning).
-from .integrations import lightning as _lightning_integration  # noqa: E402,F401
+from .integrations import lightning as _lightning_integration  # noqa: F401

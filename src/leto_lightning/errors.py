@@ -23,7 +23,7 @@ may import it.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 CHECKPOINT_ADVICE = "Resume from the last checkpoint instead; the retained state must not be used."
 

@@ -11,16 +11,28 @@ accumulation), including both ranks at once.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from acc_job import (QUIET, Killer, accelerate_cmd, agent_events, all_events, assert_nothing_left, check_identical,
-                     finish, free_port, run, stop, wait_for, EPOCHS, SCRIPT)
+from acc_job import (
+    EPOCHS,
+    QUIET,
+    SCRIPT,
+    Killer,
+    accelerate_cmd,
+    agent_events,
+    all_events,
+    assert_nothing_left,
+    check_identical,
+    finish,
+    free_port,
+    run,
+    stop,
+    wait_for,
+)
 
 SLEEP = ["--sleep", "0.35"]  # per micro-step: recoveries (shadows re-imported) fit in the run
 

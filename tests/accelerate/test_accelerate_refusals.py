@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-
 from acc_job import CONFIG, QUIET, free_port, run
+
 from leto_lightning.errors import ConfigurationError, UsageError
 
 

@@ -16,7 +16,7 @@ from leto_lightning.retained.store import RetainedStore, StoreSpec
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, layout_for
 
-from .crash_cases import MAX_T, run_case, step_points, _recover_and_continue
+from .crash_cases import MAX_T, _recover_and_continue, run_case, step_points
 
 torch.set_num_threads(1)
 

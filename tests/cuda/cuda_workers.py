@@ -12,9 +12,10 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import secrets
 
+import cuda_workers as w
 import pytest
 import torch
 
-import cuda_workers as w
 from leto_lightning.retained.backends import cuda_ipc
 from leto_lightning.retained.backends.cuda_ipc import (
     CudaSegment,

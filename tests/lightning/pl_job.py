@@ -14,11 +14,12 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from leto_lightning.faults.points import set_hook

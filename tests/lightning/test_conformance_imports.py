@@ -89,7 +89,7 @@ def test_every_checkpoint_load_in_the_integration_is_weights_only() -> None:
                 continue
             owner = node.func.value
             is_super = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
-            if node.func.attr == "load" and getattr(owner, "id", None) == "torch" or (
+            if (node.func.attr == "load" and getattr(owner, "id", None) == "torch") or (
                     node.func.attr == "load_checkpoint" and not is_super):
                 flag = next((k.value for k in node.keywords if k.arg == "weights_only"), None)
                 calls.append((path.name, node.lineno, getattr(flag, "value", None)))

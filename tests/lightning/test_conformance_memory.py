@@ -12,15 +12,14 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
+from pl_job import TinyModule, dataloaders
 
 from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy
 from leto_lightning.retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments
-
-from pl_job import TinyModule, dataloaders
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:

@@ -17,18 +17,17 @@ import pickle
 import re
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import TensorBoardLogger
+from pl_job import TinyModule, dataloaders
 
 from leto_lightning.errors import ConfigurationError
 from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning.tensorboard_logs import TensorBoardContinuity
 from leto_lightning.retained.shm import SEGMENT_PREFIX, list_segments
-
-from pl_job import TinyModule, dataloaders
 
 
 class ClosureRequired(torch.optim.SGD):

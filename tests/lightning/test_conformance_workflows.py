@@ -23,9 +23,9 @@ import glob
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner

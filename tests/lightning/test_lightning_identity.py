@@ -9,11 +9,10 @@ BatchNorm; weights, buffers, optimizer state, LR and the final RNG state are com
 from __future__ import annotations
 
 import pytest
+from pl_job import RunConfig, differences, fit
 
 from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy
-
-from pl_job import RunConfig, differences, fit
 
 
 def _leto(job: str) -> LetoStrategy:

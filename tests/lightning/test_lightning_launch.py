@@ -21,9 +21,20 @@ import random
 import signal
 
 import pytest
+from launch_job import (
+    Run,
+    ddp_reference,
+    events,
+    finish,
+    free_port,
+    launch,
+    same_state,
+    start,
+    wait_for,
+    wandb_groups,
+    wandb_history,
+)
 
-from launch_job import (Run, ddp_reference, events, finish, free_port, launch, same_state, start, wait_for,
-                        wandb_groups, wandb_history)
 from leto_lightning.faults.launched import stop
 
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-import lightning.pytorch as pl
+from pl_job import RunConfig, TinyModule, dataloaders, trainer_for
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy, ResumableDataLoader
 from leto_lightning.integrations.lightning.resume import apply_param_groups, capture, finish_batch
 from leto_lightning.updater.retained_optimizer import hyperparameters
-
-from pl_job import RunConfig, TinyModule, dataloaders, trainer_for
 
 
 def same(a: Any, b: Any, path: str = "") -> list[str]:

@@ -7,18 +7,17 @@ import os
 import subprocess
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from lightning.pytorch.strategies import StrategyRegistry
+from pl_job import RunConfig, TinyModule, dataloaders, fit, trainer_for
 
 from leto_lightning.faults.crash import ChildError, KillPoint, run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy, _autoregister, register
 from leto_lightning.integrations.lightning.proxy import proxy_for, real_optimizer
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import list_segments
-
-from pl_job import RunConfig, TinyModule, dataloaders, fit, trainer_for
 
 
 def test_registered_once_and_idempotent() -> None:

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_job import QUIET, Run, assert_nothing_left, ddp_reference, same_state, script_args, wait_for
 
-from launch_job import (QUIET, Run, assert_nothing_left, ddp_reference, same_state, script_args, wait_for)
 from leto_lightning.runtime.events import read_events
 
 STEPS = 24  # epochs of 10 batches per rank; validation every 5 batches; checkpoints after steps 6, 13, 20

@@ -4,12 +4,12 @@ that names the version found, the range and what to do; pinned the same in pypro
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 
 import lightning
 import lightning.pytorch as pl
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 from leto_lightning.errors import ConfigurationError

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 
 
 class AttentionClassifier(pl.LightningModule):

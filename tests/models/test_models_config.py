@@ -6,8 +6,14 @@ from pathlib import Path
 import pytest
 
 from leto_lightning.models.config import (
-    HofPhase, RecipeConfig, RecipeError, count_parameters, list_recipes, load_recipe,
-    recipe_path, recipes_dir,
+    HofPhase,
+    RecipeConfig,
+    RecipeError,
+    count_parameters,
+    list_recipes,
+    load_recipe,
+    recipe_path,
+    recipes_dir,
 )
 
 # docs/design.md section 5: total / active parameters (billions) and DP, TP, PP, EP, sharded.

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List, Tuple
 
 import lightning as L
 import pytest
@@ -18,13 +17,13 @@ class _Losses(L.Callback):
     """Collects the per-step training loss."""
 
     def __init__(self) -> None:
-        self.values: List[float] = []
+        self.values: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         self.values.append(float(outputs["loss"]))
 
 
-def _train(steps: int, overrides: Tuple[str, ...] = ()) -> Tuple[MoELanguageModel, List[float]]:
+def _train(steps: int, overrides: tuple[str, ...] = ()) -> tuple[MoELanguageModel, list[float]]:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     recipe = load_recipe("olmoe", [f"trainer.max_steps={steps}", *overrides])
     L.seed_everything(recipe.trainer.seed, verbose=False)

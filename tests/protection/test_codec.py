@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rs_helpers import random_pages, reference_dot
 
 from leto_lightning.protection import ParityExhaustedError, ProtectionError, ReedSolomonCode
 from leto_lightning.protection.engines import available_engines, get_engine
-
-from rs_helpers import random_pages, reference_dot
 
 LENGTHS = st.sampled_from([1, 2, 63, 64, 65, 255, 4096, 4097]) | st.integers(1, 3000)
 PROPS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import reedsolo
 import torch
+from rs_helpers import random_pages, reference_dot
 
 from leto_lightning.protection import gf256
 from leto_lightning.protection.engines import (
@@ -15,8 +16,6 @@ from leto_lightning.protection.engines import (
     get_engine,
 )
 from leto_lightning.protection.errors import EngineUnavailableError
-
-from rs_helpers import random_pages, reference_dot
 
 # reedsolo's own coefficient matrix for 8 data + 2 parity symbols (notes/erasure-coding.md)
 REEDSOLO_8_2 = np.array(

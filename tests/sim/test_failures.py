@@ -7,8 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from leto_lightning.sim.failures import (LLAMA3_GPU_MTTF_S, FailureModel, load_trace,
-                                         parse_duration)
+from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel, load_trace, parse_duration
 
 
 @pytest.mark.parametrize("text, seconds", [("10m", 600), ("600s", 600), ("1.5h", 5400),

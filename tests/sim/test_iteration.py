@@ -7,8 +7,7 @@ import math
 import pytest
 
 from leto_lightning.sim.hardware import BUILTIN_HARDWARE, get_hardware
-from leto_lightning.sim.iteration import (NO_OVERLAP, checkpoint_bytes_per_gpu, gpu_share,
-                                          iteration_time, memory_per_gpu)
+from leto_lightning.sim.iteration import NO_OVERLAP, checkpoint_bytes_per_gpu, gpu_share, iteration_time, memory_per_gpu
 from leto_lightning.sim.workload import BUILTIN_WORKLOADS, load_workload, with_parallelism
 
 

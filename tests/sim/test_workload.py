@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from leto_lightning.sim.workload import (BUILTIN_WORKLOADS, DESIGN_PARAMS, DataSpec, ModelSpec,
-                                         ParallelSpec, Workload, count_parameters,
-                                         load_workload, recipes_dir, with_parallelism)
+from leto_lightning.sim.workload import (
+    BUILTIN_WORKLOADS,
+    DESIGN_PARAMS,
+    DataSpec,
+    ModelSpec,
+    ParallelSpec,
+    Workload,
+    count_parameters,
+    load_workload,
+    recipes_dir,
+    with_parallelism,
+)
 
 RECIPES_PRESENT = all((recipes_dir() / f"{n}.yaml").is_file() for n in BUILTIN_WORKLOADS)
 

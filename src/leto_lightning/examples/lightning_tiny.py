@@ -20,14 +20,13 @@ import math
 import os
 import time
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import leto_lightning  # noqa: F401  registers Trainer(strategy="leto")
 

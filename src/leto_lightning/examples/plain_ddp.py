@@ -24,7 +24,6 @@ from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.runtime.storage import atomic_torch_save
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=50)

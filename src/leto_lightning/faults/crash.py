@@ -16,8 +16,8 @@ import select
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import LetoError, LetoTimeoutError
 from .points import set_hook

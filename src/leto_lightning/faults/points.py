@@ -8,7 +8,8 @@ the child stands and block until the parent SIGKILLs it.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class FaultHook(Protocol):

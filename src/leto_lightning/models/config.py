@@ -12,18 +12,32 @@ This module imports neither Lightning nor torch: the simulator uses it too.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 __all__ = [
-    "RecipeError", "HofPhase", "ModelConfig", "ParallelismConfig", "DataConfig", "SizeForm",
-    "OptimizerConfig", "TrainerConfig", "FaultsConfig", "LetoSection", "RecipeConfig",
-    "count_parameters", "load_recipe", "recipe_path", "recipes_dir", "list_recipes",
+    "DataConfig",
+    "FaultsConfig",
+    "HofPhase",
+    "LetoSection",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "RecipeConfig",
+    "RecipeError",
+    "SizeForm",
+    "TrainerConfig",
+    "count_parameters",
+    "list_recipes",
+    "load_recipe",
+    "recipe_path",
+    "recipes_dir",
 ]
 
 PRECISIONS = ("32-true", "32", "64-true", "64", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -172,7 +186,7 @@ class OptimizerConfig:
 
     name: str = "adamw"
     lr: float = 3e-4
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
     scheduler: str = "none"
@@ -277,8 +291,8 @@ class RecipeConfig:
 
     name: str = ""
     size: str = "tiny"
-    full: Optional[SizeForm] = None
-    tiny: Optional[SizeForm] = None
+    full: SizeForm | None = None
+    tiny: SizeForm | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
@@ -298,7 +312,7 @@ class RecipeConfig:
         return form
 
 
-def count_parameters(model: ModelConfig) -> Tuple[int, int]:
+def count_parameters(model: ModelConfig) -> tuple[int, int]:
     """Analytic (total, active) parameter counts; equal to the built model's numel for total.
 
     Active counts the embedding, LM head, attention, norms, routers, dense FFNs, shared
@@ -328,7 +342,7 @@ def recipes_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "recipes"
 
 
-def list_recipes() -> List[str]:
+def list_recipes() -> list[str]:
     """Names of the recipes in ``recipes_dir()``, sorted."""
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 

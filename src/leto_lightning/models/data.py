@@ -9,8 +9,6 @@ sampler position is all a resumable loader needs to record.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -66,14 +64,14 @@ class SyntheticTokens(Dataset):
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def __getitem__(self, index: int) -> Tuple[Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         row = self.tokens[index]
         return row[:-1], row[1:]
 
 
-def make_dataloaders(recipe: RecipeConfig, seed: Optional[int] = None,
+def make_dataloaders(recipe: RecipeConfig, seed: int | None = None,
                      train_sequences: int = 1024, val_sequences: int = 64
-                     ) -> Tuple[DataLoader, DataLoader]:
+                     ) -> tuple[DataLoader, DataLoader]:
     """Train and validation loaders for ``recipe.active`` (batch = ``data.micro_batch``).
 
     Not shuffled: the sequences are already i.i.d. samples, and an unshuffled loader makes

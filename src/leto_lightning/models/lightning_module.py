@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,7 +21,7 @@ from .moe_transformer import MoETransformer, build_model
 
 __all__ = ["MoELanguageModel", "warmup_cosine"]
 
-Batch = Tuple[Tensor, Tensor]
+Batch = tuple[Tensor, Tensor]
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -33,7 +33,7 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _as_dict(cfg: Union[ModelConfig, OptimizerConfig, Dict[str, Any]]) -> Dict[str, Any]:
+def _as_dict(cfg: ModelConfig | OptimizerConfig | dict[str, Any]) -> dict[str, Any]:
     """Dataclass or mapping to a plain dict (what ``save_hyperparameters`` can store)."""
     return asdict(cfg) if not isinstance(cfg, dict) else dict(cfg)
 
@@ -41,10 +41,10 @@ def _as_dict(cfg: Union[ModelConfig, OptimizerConfig, Dict[str, Any]]) -> Dict[s
 class MoELanguageModel(L.LightningModule):
     """Next-token cross-entropy plus ``aux_loss_coef`` times the MoE load-balancing loss."""
 
-    def __init__(self, model: Union[ModelConfig, Dict[str, Any]],
-                 optimizer: Union[OptimizerConfig, Dict[str, Any], None] = None,
+    def __init__(self, model: ModelConfig | dict[str, Any],
+                 optimizer: OptimizerConfig | dict[str, Any] | None = None,
                  aux_loss_coef: float = 0.01, max_steps: int = -1,
-                 init_seed: Optional[int] = None) -> None:
+                 init_seed: int | None = None) -> None:
         super().__init__()
         model_dict = _as_dict(model)
         optim_dict = _as_dict(optimizer if optimizer is not None else OptimizerConfig())
@@ -57,15 +57,15 @@ class MoELanguageModel(L.LightningModule):
         self.net: MoETransformer = build_model(self.model_config, seed=init_seed)
 
     @classmethod
-    def from_recipe(cls, recipe: RecipeConfig, aux_loss_coef: float = 0.01) -> "MoELanguageModel":
+    def from_recipe(cls, recipe: RecipeConfig, aux_loss_coef: float = 0.01) -> MoELanguageModel:
         """Build the active size form with weights seeded by ``trainer.seed``."""
         return cls(recipe.active.model, recipe.optimizer, aux_loss_coef=aux_loss_coef,
                    max_steps=recipe.trainer.max_steps, init_seed=recipe.trainer.seed)
 
-    def forward(self, tokens: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         return self.net(tokens)
 
-    def _losses(self, batch: Batch) -> Tuple[Tensor, Tensor, Tensor]:
+    def _losses(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(total, cross-entropy, aux) for one (inputs, targets) batch."""
         inputs, targets = batch
         logits, aux = self.net(inputs)
@@ -86,7 +86,7 @@ class MoELanguageModel(L.LightningModule):
         self.log("val/ce", ce, on_epoch=True, sync_dist=True)
         return loss
 
-    def _param_groups(self) -> List[Dict[str, Any]]:
+    def _param_groups(self) -> list[dict[str, Any]]:
         """Weight decay on matrices only (norm weights are 1-D), in a deterministic order."""
         decay, no_decay = [], []
         for _, param in sorted(self.net.named_parameters(), key=lambda kv: kv[0]):

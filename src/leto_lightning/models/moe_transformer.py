@@ -13,7 +13,6 @@ scheduling.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 
-__all__ = ["RMSNorm", "Attention", "SwiGLU", "MoELayer", "Block", "MoETransformer", "build_model"]
+__all__ = ["Attention", "Block", "MoELayer", "MoETransformer", "RMSNorm", "SwiGLU", "build_model"]
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +37,7 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def _rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> Tuple[Tensor, Tensor]:
+def _rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
     """cos/sin tables for rotary position embedding (no parameters, so counts are unchanged)."""
     half = head_dim // 2
     inv_freq = 1.0 / (base ** (torch.arange(half, dtype=torch.float32) / half))
@@ -112,11 +111,11 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(
             SwiGLU(cfg.d_model, cfg.expert_ffn_hidden) for _ in range(cfg.n_experts))
-        self.shared: Optional[SwiGLU] = None
+        self.shared: SwiGLU | None = None
         if cfg.shared_experts > 0:
             self.shared = SwiGLU(cfg.d_model, cfg.shared_experts * cfg.expert_ffn_hidden)
 
-    def route(self, flat: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Return (gates (N, k), expert ids (N, k), aux loss) for tokens ``flat`` (N, d)."""
         probs = torch.softmax(self.router(flat).float(), dim=-1)
         gates, ids = probs.topk(self.top_k, dim=-1)
@@ -126,7 +125,7 @@ class MoELayer(nn.Module):
         aux = self.n_experts * torch.sum(fraction * probs.mean(dim=0))
         return gates, ids, aux
 
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         gates, ids, aux = self.route(flat)
@@ -153,7 +152,7 @@ class Block(nn.Module):
         self.is_moe = cfg.layer_is_moe(index)
         self.ffn: nn.Module = MoELayer(cfg) if self.is_moe else SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         x = x + self.attn(self.attn_norm(x))
         if self.is_moe:
             y, aux = self.ffn(self.ffn_norm(x))
@@ -188,7 +187,7 @@ class MoETransformer(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, tokens: Tensor) -> Tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         x = self.embed(tokens)
         aux_losses = []
         for block in self.blocks:
@@ -200,7 +199,7 @@ class MoETransformer(nn.Module):
         return logits, aux_loss
 
 
-def build_model(cfg: ModelConfig, seed: Optional[int] = None) -> MoETransformer:
+def build_model(cfg: ModelConfig, seed: int | None = None) -> MoETransformer:
     """Build a model; with ``seed`` the initial weights depend on it alone (forked RNG)."""
     if seed is None:
         return MoETransformer(cfg)

@@ -221,7 +221,7 @@ class ReedSolomonCode:
         out = sorted({_check_int(name, p) for p in positions})
         if len(out) != len(list(positions)):
             raise ConfigurationError(f"{name} lists a page twice: {sorted(positions)}")
-        if out and not (0 <= out[0] and out[-1] < n):
+        if out and not (out[0] >= 0 and out[-1] < n):
             raise ConfigurationError(f"{name}={out} has positions outside 0..{n - 1}")
         return out
 

@@ -16,8 +16,8 @@ pages that differ (damaged, or left stale by an update or a recovery that was ki
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence
 
 import torch
 

@@ -74,7 +74,7 @@ def _check(pages: Sequence[torch.Tensor], parity: Sequence[torch.Tensor], what: 
     return n
 
 
-def apply_delta(code: "ReedSolomonCode", index: int, old: torch.Tensor, new: torch.Tensor,
+def apply_delta(code: ReedSolomonCode, index: int, old: torch.Tensor, new: torch.Tensor,
                 parity: Sequence[torch.Tensor], host_engine: ErasureEngine) -> None:
     """``parity_j ^= C[j, index] * (old ^ new)``: old and new on a device, parity on the host."""
     if len(parity) != code.m:
@@ -101,7 +101,7 @@ def apply_delta(code: "ReedSolomonCode", index: int, old: torch.Tensor, new: tor
         host_engine.mad(coeffs, host, dsts)
 
 
-def apply_contribution(code: "ReedSolomonCode", index: int, src: torch.Tensor,
+def apply_contribution(code: ReedSolomonCode, index: int, src: torch.Tensor,
                        parity: Sequence[torch.Tensor], host_engine: ErasureEngine) -> None:
     """``parity_j ^= C[j, index] * src`` for a device page: one page crosses."""
     n = _check([src], parity, "contribution page")
@@ -112,7 +112,7 @@ def apply_contribution(code: "ReedSolomonCode", index: int, src: torch.Tensor,
     host_engine.mad(code.matrix[:, index], host, [p.view(-1) for p in parity])
 
 
-def encode(code: "ReedSolomonCode", data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+def encode(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
            host_engine: ErasureEngine) -> None:
     """Overwrite host ``parity`` with the parity of device ``data``."""
     n = _check(data, parity, "data pages")
@@ -128,7 +128,7 @@ def encode(code: "ReedSolomonCode", data: Sequence[torch.Tensor], parity: Sequen
         host_engine.dot(matrix, [p.to(HOST) for p in data], list(parity))
 
 
-def reconstruct(code: "ReedSolomonCode", data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+def reconstruct(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
                 lost_data: Collection[int], lost_parity: Collection[int]) -> None:
     """Rebuild lost device pages from host parity: survivors to the host, rebuild, copy back.
 
@@ -142,7 +142,7 @@ def reconstruct(code: "ReedSolomonCode", data: Sequence[torch.Tensor], parity: S
         data[i].copy_(host[i])
 
 
-def verify(code: "ReedSolomonCode", data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]:
+def verify(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]:
     """Indices of host parity pages that differ from a fresh encode of device ``data``."""
     _check(data, parity, "data pages")
     return code.verify([p.to(HOST) for p in data], parity)

@@ -271,4 +271,4 @@ def header_fields(header: np.ndarray) -> tuple[int, int, int, int]:
             int(header[UNDO_NPIECES]))
 
 
-__all__ = ["Metadata", "MetaVerdict", "check_metadata", "header_fields", "UNDO_CRCS"]
+__all__ = ["UNDO_CRCS", "MetaVerdict", "Metadata", "check_metadata", "header_fields"]

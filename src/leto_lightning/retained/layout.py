@@ -19,9 +19,9 @@ hyper-parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch

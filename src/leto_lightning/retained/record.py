@@ -16,8 +16,9 @@ from __future__ import annotations
 import pickle
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -54,7 +54,7 @@ class SharedSegment:
     _tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, name: str, nbytes: int) -> "SharedSegment":
+    def create(cls, name: str, nbytes: int) -> SharedSegment:
         """Create a new zero-filled segment readable and writable only by this user (0600)."""
         if nbytes <= 0:
             raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
@@ -67,7 +67,7 @@ class SharedSegment:
         return cls(name=name, nbytes=nbytes, owner=True, _mmap=mm)
 
     @classmethod
-    def attach(cls, name: str) -> "SharedSegment":
+    def attach(cls, name: str) -> SharedSegment:
         """Map an existing segment (e.g. from a shadow trainer after the active one died)."""
         fd = _shm_open(name, os.O_RDWR, 0o600)
         try:

@@ -131,7 +131,7 @@ class StoreSpec:
         return json.dumps(_plain(dataclasses.asdict(self)), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, blob: bytes) -> "StoreSpec":
+    def from_json(cls, blob: bytes) -> StoreSpec:
         d = _unplain(json.loads(blob.decode()))
         lay = d["layout"]
         layout = StoreLayout(

@@ -80,7 +80,7 @@ class RetainedStore:
 
     # -- creation and attachment -------------------------------------------------------
     @classmethod
-    def create(cls, spec: StoreSpec) -> "RetainedStore":
+    def create(cls, spec: StoreSpec) -> RetainedStore:
         """Allocate every segment of ``spec.rank`` (the node's tier-2 segment too, for local rank 0).
 
         The store is not *complete* until its creator calls ``mark_complete()`` once the views are
@@ -110,7 +110,7 @@ class RetainedStore:
         return store
 
     @classmethod
-    def attach(cls, job_id: str, rank: int) -> "RetainedStore":
+    def attach(cls, job_id: str, rank: int) -> RetainedStore:
         """Map an existing store. Raises ``StoreMissingError`` (an ``IncompleteStoreError`` and a
         ``FileNotFoundError``) when a segment does not exist, and ``IncompleteStoreError`` /
         ``UnrecoverableDamageError`` when no copy of the spec is intact. Does *not* require the

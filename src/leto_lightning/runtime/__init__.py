@@ -5,4 +5,4 @@ Training scripts use ``leto_lightning.runtime.init()`` (see ``session.py``).
 
 from .session import ProtectedTraining, Session, init
 
-__all__ = ["init", "Session", "ProtectedTraining"]
+__all__ = ["ProtectedTraining", "Session", "init"]

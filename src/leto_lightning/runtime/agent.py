@@ -32,9 +32,9 @@ from .classify import Failure
 from .config import RuntimeConfig
 from .events import EventLog
 from .procs import TrainerProcess, process_state, spawn
-from .storage import StorageError
-from .recovery_flow import RecoveryMixin
 from .reclaim import ReclaimConfig, ShadowReclaimer
+from .recovery_flow import RecoveryMixin
+from .storage import StorageError
 
 
 @dataclass

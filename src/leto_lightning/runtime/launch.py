@@ -7,12 +7,12 @@ import json
 import os
 import time
 
-from .agent import Agent, LaunchSpec
 from ..errors import ConfigurationError
-from .config import ClassificationRule, RuntimeConfig
-from .storage import usable_run_dir
-from .rundir import DEFAULT_MODE, mode_argument
 from . import reclaim
+from .agent import Agent, LaunchSpec
+from .config import ClassificationRule, RuntimeConfig
+from .rundir import DEFAULT_MODE, mode_argument
+from .storage import usable_run_dir
 
 
 def add_parser(subparsers) -> None:
@@ -101,7 +101,7 @@ def parse_faults(text: str) -> list[dict]:
     if not isinstance(faults, list):
         raise ConfigurationError(f"--faults {text!r}: expected a JSON list of fault objects, got {type(faults).__name__}")
     for fault in faults:
-        if not isinstance(fault, dict) or not FAULT_KEYS <= fault.keys():
+        if not isinstance(fault, dict) or not fault.keys() >= FAULT_KEYS:
             raise ConfigurationError(f"--faults: {json.dumps(fault)} is not a fault: each needs "
                                      f"{', '.join(sorted(FAULT_KEYS))} (e.g. {{\"id\": 0, \"rank\": 1, "
                                      '"point": "compute.begin"})')

@@ -45,9 +45,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Mapping
 
 from ..errors import UsageError
 

@@ -77,7 +77,7 @@ class ReclaimConfig:
                 raise ConfigurationError(f"memory reclaim {name}={getattr(self, name)} must be positive")
         for name in ("low", "high"):
             value = getattr(self, name)
-            if isinstance(value, float) and not 0 < value < 1 or isinstance(value, int) and value <= 0:
+            if (isinstance(value, float) and not 0 < value < 1) or (isinstance(value, int) and value <= 0):
                 raise ConfigurationError(f"memory reclaim {name}={value!r}: a fraction in (0, 1) or a positive size")
         if type(self.low) is type(self.high) and self.low >= self.high:
             raise ConfigurationError(f"memory reclaim watermarks low={self.low} >= high={self.high}: the low "

@@ -6,7 +6,8 @@ Launcher- and framework-neutral (the Accelerate integration's payloads use it).
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import LetoError
 

@@ -16,13 +16,11 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Dict, List, Optional
 
 from leto_lightning.sim.checks import fail, int_at_least, require
 from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel, load_trace, parse_duration
 from leto_lightning.sim.hardware import BUILTIN_HARDWARE, get_hardware, parse_overrides
-from leto_lightning.sim.report import (DAY_S, SimSettings, SimulationReport, format_report,
-                                       simulate)
+from leto_lightning.sim.report import DAY_S, SimSettings, SimulationReport, format_report, simulate
 from leto_lightning.sim.startup import COMM_INIT_MODES, StartupModel
 from leto_lightning.sim.systems import SYSTEM_NAMES, SystemKnobs, get_system
 from leto_lightning.sim.workload import BUILTIN_WORKLOADS, load_workload, with_parallelism
@@ -124,7 +122,7 @@ def _check_work(failures: FailureModel, days: float) -> None:
             f"{MAX_FAILURES_PER_RUN:,} per run: raise --mttf/--gpu-mttf or lower --days")
 
 
-def _failures(args: argparse.Namespace, n_gpus: int) -> tuple[FailureModel, Optional[float]]:
+def _failures(args: argparse.Namespace, n_gpus: int) -> tuple[FailureModel, float | None]:
     """Failure model and the default horizon it implies (a trace's span)."""
     from leto_lightning.sim.checks import fraction
 
@@ -139,8 +137,8 @@ def _failures(args: argparse.Namespace, n_gpus: int) -> tuple[FailureModel, Opti
     return FailureModel(parse_duration(args.mttf, "--mttf"), args.hof_ratio), None
 
 
-def _intervals(items: List[str]) -> Dict[str, int]:
-    out: Dict[str, int] = {}
+def _intervals(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
         require(bool(sep), "--interval", item, "must look like SYSTEM=N")
@@ -208,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m leto_lightning.sim.cli``: the same as ``leto simulate``."""
     parser = argparse.ArgumentParser(prog="leto")
     add_parser(parser.add_subparsers(dest="command"))

@@ -23,7 +23,6 @@ on X); ``tests/sim`` checks the two within a stated tolerance.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -32,9 +31,9 @@ from leto_lightning.sim.failures import FailureModel
 from leto_lightning.sim.systems import RecoveryMode, Schedule
 
 
-def _mode_table(schedule: Schedule, hof_ratio: float) -> Tuple[np.ndarray, List[RecoveryMode]]:
-    probs: List[float] = []
-    modes: List[RecoveryMode] = []
+def _mode_table(schedule: Schedule, hof_ratio: float) -> tuple[np.ndarray, list[RecoveryMode]]:
+    probs: list[float] = []
+    modes: list[RecoveryMode] = []
     for weight, table in ((hof_ratio, schedule.hof_modes), (1 - hof_ratio, schedule.nonhof_modes)):
         for p, mode in table:
             probs.append(weight * p)
@@ -131,7 +130,7 @@ class AnalyticResult:
     shadow_wait_s: float
     overhead: float         # fault-free overhead: (segment time w/o failures) / useful - 1
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -171,14 +170,14 @@ class MonteCarloResult:
         n = len(self.ettr_runs)
         return float(np.std(self.ettr_runs, ddof=1) / np.sqrt(n)) if n > 1 else 0.0
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {"ettr": self.ettr, "stderr": self.stderr, "runs": len(self.ettr_runs),
                 "failures_per_run": self.failures, "recovery_s": self.recovery_s,
                 "recompute_s": self.recompute_s, "horizon_s": self.horizon_s}
 
 
 def _advance(done: np.ndarray, ckpt: np.ndarray, tau: np.ndarray,
-             s: Schedule) -> Tuple[np.ndarray, np.ndarray]:
+             s: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """Progress after running ``tau`` seconds from iteration ``done`` (last checkpoint
     ``ckpt``); partial units are lost."""
     I, T, c = s.interval, s.iteration_s, s.checkpoint_s
@@ -194,7 +193,7 @@ def _advance(done: np.ndarray, ckpt: np.ndarray, tau: np.ndarray,
     return np.where(fin, new_ckpt + tail, partial), new_ckpt
 
 
-def _mode_index(hof: np.ndarray, u: np.ndarray, schedule: Schedule) -> Tuple[np.ndarray, list]:
+def _mode_index(hof: np.ndarray, u: np.ndarray, schedule: Schedule) -> tuple[np.ndarray, list]:
     modes = [m for _, m in schedule.hof_modes] + [m for _, m in schedule.nonhof_modes]
     cum_h = np.cumsum([p for p, _ in schedule.hof_modes])
     cum_n = np.cumsum([p for p, _ in schedule.nonhof_modes])

@@ -24,7 +24,6 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -120,21 +119,21 @@ class FailureModel:
 
     mttf_s: float
     hof_ratio: float = 1.0
-    trace: Optional[FailureTrace] = field(default=None, compare=False)
+    trace: FailureTrace | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         positive("mttf", self.mttf_s)
         fraction("hof_ratio", self.hof_ratio)
 
     @classmethod
-    def per_gpu(cls, gpu_mttf_s: float, n_gpus: int, hof_ratio: float = 1.0) -> "FailureModel":
+    def per_gpu(cls, gpu_mttf_s: float, n_gpus: int, hof_ratio: float = 1.0) -> FailureModel:
         """Independent GPUs, each failing at 1/gpu_mttf: the job fails n_gpus times as often."""
         positive("--gpu-mttf", gpu_mttf_s)
         int_at_least("n_gpus", n_gpus, 1)
         return cls(gpu_mttf_s / n_gpus, hof_ratio)
 
     @classmethod
-    def from_trace(cls, trace: FailureTrace) -> "FailureModel":
+    def from_trace(cls, trace: FailureTrace) -> FailureModel:
         """Rates for the analytic model taken from the trace; sampling replays the trace."""
         return cls(trace.mttf_s, trace.hof_ratio, trace)
 
@@ -143,7 +142,7 @@ class FailureModel:
         return 1.0 / self.mttf_s
 
     def sample(self, runs: int, horizon_s: float,
-               rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Failure times (``runs`` x m, +inf past the horizon) and HOF flags of each run."""
         int_at_least("runs", runs, 1)
         positive("horizon", horizon_s)

@@ -10,8 +10,8 @@ Bandwidths are per accelerator and per direction, in GB/s (1e9 bytes/s).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Dict, Mapping, Sequence
 
 from leto_lightning.sim.checks import fail, fraction, int_at_least, positive, require
 
@@ -54,10 +54,10 @@ class HardwareProfile:
         require(self.comm_efficiency > 0, "hardware.comm_efficiency", self.comm_efficiency,
                 "must be > 0")
 
-    def with_overrides(self, overrides: Mapping[str, object]) -> "HardwareProfile":
+    def with_overrides(self, overrides: Mapping[str, object]) -> HardwareProfile:
         """A copy with some fields replaced (validated like a new profile)."""
         known = {f.name: f.type for f in fields(self)}
-        values: Dict[str, object] = {}
+        values: dict[str, object] = {}
         for key, raw in overrides.items():
             if key not in known or key == "name":
                 fail("hardware override", key,
@@ -81,7 +81,7 @@ _A100_CKPT_GBPS = 1.1
 # (7 TB/s peak) to a 16K-GPU cluster. Used as the aggregate storage bandwidth of every profile.
 _STORAGE_GBPS = 2000.0
 
-BUILTIN_HARDWARE: Dict[str, HardwareProfile] = {
+BUILTIN_HARDWARE: dict[str, HardwareProfile] = {
     # NVIDIA A100 80GB SXM4 datasheet: 312 TFLOP/s BF16 dense, 2,039 GB/s HBM2e, NVLink3 600 GB/s
     # total (300 per direction), PCIe Gen4 x16 (32 GB/s per direction); DGX A100: eight 200 Gb/s
     # HDR NICs, one per GPU (25 GB/s).
@@ -132,9 +132,9 @@ def get_hardware(name: str, overrides: Mapping[str, object] | None = None) -> Ha
     return profile.with_overrides(overrides) if overrides else profile
 
 
-def parse_overrides(items: Sequence[str]) -> Dict[str, str]:
+def parse_overrides(items: Sequence[str]) -> dict[str, str]:
     """``["peak_tflops=400", "net_gbps=50"]`` -> ``{"peak_tflops": "400", ...}``."""
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         require(bool(sep) and bool(key.strip()) and bool(value.strip()), "--hw", item,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, Tuple
 
 from leto_lightning.sim.checks import fraction
 from leto_lightning.sim.hardware import HardwareProfile
@@ -97,7 +96,7 @@ class IterationBreakdown:
         return (self.compute_s + self.elementwise_s + self.op_overhead_s + self.tp_s + self.ep_s + self.dp_s + self.pp_s
                 + self.bubble_s + self.optimizer_s)
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total_s": self.total_s}
 
 
@@ -116,7 +115,7 @@ class MemoryBreakdown:
         return (self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
                 + self.runtime_gb)
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total_gb": self.total_gb}
 
 
@@ -158,7 +157,7 @@ def _gemm_eff(hw: HardwareProfile, m: float) -> float:
     return hw.gemm_efficiency * m / (m + hw.gemm_half_dim)
 
 
-def _flops(workload: Workload) -> Tuple[float, float]:
+def _flops(workload: Workload) -> tuple[float, float]:
     """Training FLOPs per GPU per iteration: (dense-like, routed experts)."""
     m, p, c = workload.model, workload.parallel, workload.params
     lm_head = m.vocab_size * m.d_model

@@ -12,23 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from leto_lightning.sim.ettr import analytic_ettr  # noqa: E402
-from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel  # noqa: E402
-from leto_lightning.sim.hardware import get_hardware  # noqa: E402
-from leto_lightning.sim.report import SimSettings, evaluate, make_context  # noqa: E402
-from leto_lightning.sim.startup import StartupModel  # noqa: E402
-from leto_lightning.sim.systems import SYSTEM_NAMES, SystemContext, get_system  # noqa: E402
-from leto_lightning.sim import tables  # noqa: E402
-from leto_lightning.sim.workload import load_workload, with_parallelism  # noqa: E402
+from leto_lightning.sim import tables
+from leto_lightning.sim.ettr import analytic_ettr
+from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel
+from leto_lightning.sim.hardware import get_hardware
+from leto_lightning.sim.report import SimSettings, evaluate, make_context
+from leto_lightning.sim.startup import StartupModel
+from leto_lightning.sim.systems import SYSTEM_NAMES, SystemContext, get_system
+from leto_lightning.sim.workload import load_workload, with_parallelism
 
 COLORS = {"leto": "tab:red", "gemini+": "tab:blue", "gemini": "tab:cyan",
           "moevement": "tab:green", "checkpoint": "tab:gray"}
@@ -40,10 +40,10 @@ def _tuned_ettr(ctx: SystemContext, system: str, mttf_s: float, hof: float) -> f
     return r.analytic.ettr if r.analytic else float("nan")
 
 
-def fig9_interval(out: Path, hardware: str = "a100") -> Dict[str, object]:
+def fig9_interval(out: Path, hardware: str = "a100") -> dict[str, object]:
     """ETTR against the checkpoint interval, Leto vs Gemini+ (OLMoE, Kimi-MoE)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    data: Dict[str, object] = {}
+    data: dict[str, object] = {}
     intervals = np.unique(np.round(np.geomspace(1, 1000, 120)).astype(int))
     for ax, name in zip(axes, ("olmoe", "kimi_moe")):
         ctx = make_context(load_workload(name), get_hardware(hardware),
@@ -66,13 +66,13 @@ def fig9_interval(out: Path, hardware: str = "a100") -> Dict[str, object]:
     return data
 
 
-def fig10_hof(out: Path, hardware: str = "a100") -> Dict[str, object]:
+def fig10_hof(out: Path, hardware: str = "a100") -> dict[str, object]:
     """ETTR against the HOF share of failures (OLMoE, MTTF 10 min), knobs tuned per point."""
     ctx = make_context(load_workload("olmoe"), get_hardware(hardware),
                        iteration_s=tables.PAPER_ITERATION_S["olmoe"])
     shares = np.linspace(0.0, 1.0, 11)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    data: Dict[str, object] = {}
+    data: dict[str, object] = {}
     for system in SYSTEM_NAMES:
         ys = [_tuned_ettr(ctx, system, 600.0, float(h)) for h in shares]
         ax.plot(100 * shares, [100 * y for y in ys], "o-", ms=3, color=COLORS[system],
@@ -91,8 +91,8 @@ SCALES = tuple(2 ** k for k in range(10, 18))   # 1,024 ... 131,072 GPUs
 
 
 def _scale_series(name: str, comm: str, mttf_of: Callable[[int], float],
-                  hardware: str) -> Dict[str, List[float]]:
-    series: Dict[str, List[float]] = {"leto": [], "gemini+": []}
+                  hardware: str) -> dict[str, list[float]]:
+    series: dict[str, list[float]] = {"leto": [], "gemini+": []}
     for n in SCALES:
         wl = with_parallelism(load_workload(name), n_gpus=n)
         ctx = make_context(wl, get_hardware(hardware), startup=StartupModel(comm_init=comm))
@@ -101,14 +101,14 @@ def _scale_series(name: str, comm: str, mttf_of: Callable[[int], float],
     return series
 
 
-def fig14_scale(out: Path, hardware: str = "a100") -> Dict[str, object]:
+def fig14_scale(out: Path, hardware: str = "a100") -> dict[str, object]:
     """ETTR against cluster size (DP scaled, global batch with it) for DeepSeek-V2/V3/V4."""
     panels = (("stock NCCL init, MTTF 10 min", "stock", lambda n: 600.0),
               ("scalable init, MTTF 10 min", "scalable", lambda n: 600.0),
               ("scalable init, Llama 3 per-GPU rate", "scalable",
                lambda n: LLAMA3_GPU_MTTF_S / n))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
-    data: Dict[str, object] = {}
+    data: dict[str, object] = {}
     styles = {"deepseek_v2": ":", "deepseek_v3": "--", "deepseek_v4": "-"}
     for ax, (title, comm, mttf_of) in zip(axes, panels):
         for name, style in styles.items():
@@ -128,11 +128,11 @@ def fig14_scale(out: Path, hardware: str = "a100") -> Dict[str, object]:
     return data
 
 
-def fig15_dsv4_hof(out: Path, hardware: str = "a100") -> Dict[str, object]:
+def fig15_dsv4_hof(out: Path, hardware: str = "a100") -> dict[str, object]:
     """DeepSeek-V4 on 131,072 GPUs: ETTR against HOF share at MTTF 10 min, 30 min, 1 h."""
     shares = np.linspace(0.0, 1.0, 11)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    data: Dict[str, object] = {}
+    data: dict[str, object] = {}
     wl = load_workload("deepseek_v4")
     for ax, comm in zip(axes, ("stock", "scalable")):
         ctx = make_context(wl, get_hardware(hardware), startup=StartupModel(comm_init=comm))
@@ -179,7 +179,7 @@ def write_tables(out: Path) -> None:
     (out / "tables.md").write_text(text)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m leto_lightning.sim.plots",
                                      description="Write the simulator's figures and tables.")
     parser.add_argument("--out", default="docs/sim", help="output folder (default: docs/sim)")

@@ -7,18 +7,22 @@ returns a ``SimulationReport`` that renders as a text table or as JSON.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 from leto_lightning.sim.checks import int_at_least, positive, require
 from leto_lightning.sim.ettr import AnalyticResult, MonteCarloResult, analytic, monte_carlo
 from leto_lightning.sim.failures import FailureModel
 from leto_lightning.sim.hardware import HardwareProfile
-from leto_lightning.sim.iteration import (DEFAULT_OVERLAP, IterationBreakdown, MemoryBreakdown,
-                                          OverlapConfig, iteration_time, memory_per_gpu)
+from leto_lightning.sim.iteration import (
+    DEFAULT_OVERLAP,
+    MemoryBreakdown,
+    OverlapConfig,
+    iteration_time,
+    memory_per_gpu,
+)
 from leto_lightning.sim.startup import StartupModel
-from leto_lightning.sim.systems import (SYSTEM_NAMES, Schedule, SystemContext, SystemKnobs,
-                                        get_system, shadow_level)
+from leto_lightning.sim.systems import SYSTEM_NAMES, Schedule, SystemContext, SystemKnobs, get_system, shadow_level
 from leto_lightning.sim.tuning import tune
 from leto_lightning.sim.workload import Workload
 
@@ -49,17 +53,17 @@ class SystemResult:
     knob: str = ""
     param: int = 0
     tuned: bool = False
-    young: Optional[float] = None
-    schedule: Optional[Schedule] = None
-    analytic: Optional[AnalyticResult] = None
-    mc: Optional[MonteCarloResult] = None
+    young: float | None = None
+    schedule: Schedule | None = None
+    analytic: AnalyticResult | None = None
+    mc: MonteCarloResult | None = None
 
     @property
     def supported(self) -> bool:
         return not self.reason
 
-    def as_dict(self) -> Dict[str, object]:
-        out: Dict[str, object] = {"system": self.system, "supported": self.supported}
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"system": self.system, "supported": self.supported}
         if not self.supported:
             out["reason"] = self.reason
             return out
@@ -70,7 +74,7 @@ class SystemResult:
         return out
 
 
-def schedule_dict(s: Schedule) -> Dict[str, object]:
+def schedule_dict(s: Schedule) -> dict[str, object]:
     """JSON-friendly view of a schedule."""
     modes = [{"kind": kind, "probability": p, **asdict(m), "duration_s": m.duration_s}
              for kind, table in (("hof", s.hof_modes), ("non-hof", s.nonhof_modes))
@@ -89,7 +93,7 @@ class SimulationReport:
     memory: MemoryBreakdown
     failures: FailureModel
     settings: SimSettings
-    results: Tuple[SystemResult, ...]
+    results: tuple[SystemResult, ...]
 
     @property
     def workload(self) -> Workload:
@@ -102,7 +106,7 @@ class SimulationReport:
                 return r
         raise KeyError(system)
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         wl, ctx = self.workload, self.context
         return {
             "workload": {"name": wl.name, "source": wl.source, "n_gpus": wl.n_gpus,
@@ -123,9 +127,9 @@ class SimulationReport:
 
 
 def make_context(workload: Workload, hardware: HardwareProfile, *,
-                 startup: Optional[StartupModel] = None, knobs: Optional[SystemKnobs] = None,
+                 startup: StartupModel | None = None, knobs: SystemKnobs | None = None,
                  overlap: OverlapConfig = DEFAULT_OVERLAP,
-                 iteration_s: Optional[float] = None) -> SystemContext:
+                 iteration_s: float | None = None) -> SystemContext:
     """Iteration model + cost-model settings for ``workload`` on ``hardware``."""
     breakdown = iteration_time(workload, hardware, overlap)
     if iteration_s is not None:
@@ -136,7 +140,7 @@ def make_context(workload: Workload, hardware: HardwareProfile, *,
 
 
 def evaluate(ctx: SystemContext, system: str, failures: FailureModel,
-             param: Optional[int] = None, settings: SimSettings = SimSettings()) -> SystemResult:
+             param: int | None = None, settings: SimSettings = SimSettings()) -> SystemResult:
     """Tune (unless ``param`` is given) and evaluate one system."""
     model = get_system(system)
     reason = model.supported(ctx)
@@ -156,10 +160,10 @@ def evaluate(ctx: SystemContext, system: str, failures: FailureModel,
 
 
 def simulate(workload: Workload, hardware: HardwareProfile, failures: FailureModel,
-             systems: Sequence[str] = SYSTEM_NAMES, params: Optional[Mapping[str, int]] = None,
-             settings: SimSettings = SimSettings(), *, startup: Optional[StartupModel] = None,
-             knobs: Optional[SystemKnobs] = None, overlap: OverlapConfig = DEFAULT_OVERLAP,
-             iteration_s: Optional[float] = None) -> SimulationReport:
+             systems: Sequence[str] = SYSTEM_NAMES, params: Mapping[str, int] | None = None,
+             settings: SimSettings = SimSettings(), *, startup: StartupModel | None = None,
+             knobs: SystemKnobs | None = None, overlap: OverlapConfig = DEFAULT_OVERLAP,
+             iteration_s: float | None = None) -> SimulationReport:
     """Evaluate ``systems`` on one workload; ``params`` fixes a system's knob (else tuned)."""
     require(len(systems) > 0, "--systems", list(systems), "must name at least one system")
     names = [get_system(s).name for s in systems]
@@ -181,7 +185,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def summary_lines(report: SimulationReport) -> List[str]:
+def summary_lines(report: SimulationReport) -> list[str]:
     """Header lines: workload, iteration time, memory, failures."""
     ctx, b = report.context, report.context.breakdown
     f = report.failures
@@ -209,7 +213,7 @@ TABLE_HEADERS = ("system", "knob", "ckpt s", "init s", "recompute s", "recovery 
                  "ETTR (analytic)", "ETTR (monte carlo)")
 
 
-def table_rows(report: SimulationReport) -> List[Tuple[str, ...]]:
+def table_rows(report: SimulationReport) -> list[tuple[str, ...]]:
     """One row per system, strings, in ``TABLE_HEADERS`` order."""
     rows = []
     cap = report.context.knobs.max_interval

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Dict
 
 from leto_lightning.sim.checks import non_negative, require
 
@@ -68,7 +67,7 @@ class StartupModel:
         require(self.comm_init in COMM_INIT_MODES, "comm_init", self.comm_init,
                 f"must be one of {', '.join(COMM_INIT_MODES)}")
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
     # -- terms that grow with the cluster ------------------------------------------------------

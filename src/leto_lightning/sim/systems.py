@@ -24,13 +24,12 @@ Systems (``docs/design.md`` section 2.7; the Leto paper's Tables 3/4, docs/sim/m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
 
 from leto_lightning.sim.checks import fail, fraction, int_at_least, non_negative, require
 from leto_lightning.sim.hardware import HardwareProfile
-from leto_lightning.sim.iteration import (IterationBreakdown, checkpoint_bytes_per_gpu,
-                                          memory_per_gpu)
+from leto_lightning.sim.iteration import IterationBreakdown, checkpoint_bytes_per_gpu, memory_per_gpu
 from leto_lightning.sim.startup import StartupModel
 from leto_lightning.sim.workload import Workload
 
@@ -67,7 +66,7 @@ class RecoveryMode:
         return self.init_s + self.load_s + self.replay_s
 
 
-Modes = Tuple[Tuple[float, RecoveryMode], ...]
+Modes = tuple[tuple[float, RecoveryMode], ...]
 
 
 def _check_modes(name: str, modes: Modes) -> None:
@@ -250,7 +249,7 @@ class SystemModel:
     build: Callable[[SystemContext, int], Schedule]
     moe_only: bool = False
 
-    def supported(self, ctx: SystemContext) -> Optional[str]:
+    def supported(self, ctx: SystemContext) -> str | None:
         """None if the system supports the workload, else why not."""
         if self.moe_only and not ctx.workload.model.n_experts:
             return ("checkpoints experts sparsely; a dense model is not supported "
@@ -265,7 +264,7 @@ class SystemModel:
         return self.build(ctx, param)
 
 
-SYSTEMS: Dict[str, SystemModel] = {
+SYSTEMS: dict[str, SystemModel] = {
     "leto": SystemModel("leto", "interval", _leto),
     "gemini+": SystemModel("gemini+", "interval", _gemini_plus),
     "gemini": SystemModel("gemini", "interval", _gemini),

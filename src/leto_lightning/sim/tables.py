@@ -9,15 +9,14 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 from leto_lightning.sim.failures import FailureModel
 from leto_lightning.sim.hardware import get_hardware
 from leto_lightning.sim.report import SimSettings, evaluate, make_context
 from leto_lightning.sim.startup import StartupModel
-from leto_lightning.sim.systems import SystemKnobs
+from leto_lightning.sim.systems import SystemKnobs, get_system
 from leto_lightning.sim.tuning import tune
-from leto_lightning.sim.systems import get_system
 from leto_lightning.sim.validation import ettr_rows, iteration_rows
 from leto_lightning.sim.workload import load_workload
 
@@ -41,11 +40,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
-def _pct(x: Optional[float]) -> str:
+def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
-def table3_analog(hardware: str = "a100", iteration_s: Optional[float] = 9.097,
+def table3_analog(hardware: str = "a100", iteration_s: float | None = 9.097,
                   settings: SimSettings = SimSettings(runs=8)) -> str:
     """Kimi-MoE, 64 GPUs, one HOF every 10 minutes: the paper's rows, then tuned rows."""
     ctx = make_context(load_workload("kimi_moe"), get_hardware(hardware), iteration_s=iteration_s)
@@ -78,7 +77,7 @@ def table4_analog(hardware: str = "a100") -> str:
     for name, (paper_i, paper_w) in PAPER_TABLE4.items():
         ctx = make_context(load_workload(name), get_hardware(hardware),
                            iteration_s=PAPER_ITERATION_S[name])
-        row: List[object] = [name, f"{ctx.snapshot_s:.1f}"]
+        row: list[object] = [name, f"{ctx.snapshot_s:.1f}"]
         for system in ("gemini", "gemini+", "moevement", "leto"):
             model = get_system(system)
             if model.supported(ctx):
@@ -94,7 +93,7 @@ def table4_analog(hardware: str = "a100") -> str:
                            "I Leto (HOF 100%)", "paper I", "paper W"), rows)
 
 
-def iteration_validation_table(path: Optional[str] = None) -> str:
+def iteration_validation_table(path: str | None = None) -> str:
     """Table 6 analog."""
     rows = []
     for r in iteration_rows(path):
@@ -109,7 +108,7 @@ def iteration_validation_table(path: Optional[str] = None) -> str:
                            "paper's own prediction s"), rows)
 
 
-def ettr_validation_table(path: Optional[str] = None) -> str:
+def ettr_validation_table(path: str | None = None) -> str:
     """Predicted vs measured ETTR and recovery time."""
     rows = []
     for r in ettr_rows(path):
@@ -123,7 +122,7 @@ def ettr_validation_table(path: Optional[str] = None) -> str:
 
 def dsv4_headline(hof_ratios: Sequence[float] = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0),
                   hardwares: Sequence[str] = ("a100", "h200"),
-                  tier2: bool = False) -> List[Dict[str, object]]:
+                  tier2: bool = False) -> list[dict[str, object]]:
     """DeepSeek-V4, 131,072 GPUs, MTTF 10 min: Leto and Gemini+ (tuned), analytic ETTR."""
     out = []
     wl = load_workload("deepseek_v4")

@@ -12,8 +12,8 @@ should agree with Daly's to within an iteration or so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -50,10 +50,10 @@ class TuneResult:
     knob: str
     param: int
     ettr: float
-    young: Optional[float]   # Young's interval (iterations), checkpoint systems only
+    young: float | None   # Young's interval (iterations), checkpoint systems only
     evaluations: int
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -70,7 +70,7 @@ def _window_ettr(model: SystemModel, ctx: SystemContext, mttf_s: float, hof_rati
 
 
 def brute_force(model: SystemModel, ctx: SystemContext, mttf_s: float, hof_ratio: float,
-                max_param: Optional[int] = None) -> Tuple[int, float]:
+                max_param: int | None = None) -> tuple[int, float]:
     """Scan every knob value in [1, max_param]; the first maximum wins."""
     top = max_param or model.max_param(ctx)
     params = np.arange(1, top + 1)
@@ -82,10 +82,10 @@ def brute_force(model: SystemModel, ctx: SystemContext, mttf_s: float, hof_ratio
     return int(params[best]), float(values[best])
 
 
-def _golden(f: Curve, lo: int, hi: int) -> Tuple[int, float, int]:
+def _golden(f: Curve, lo: int, hi: int) -> tuple[int, float, int]:
     """Integer golden-section search for the max of a unimodal ``f`` on [lo, hi]."""
     calls = 0
-    cache: Dict[int, float] = {}
+    cache: dict[int, float] = {}
 
     def val(x: int) -> float:
         nonlocal calls
@@ -108,7 +108,7 @@ def _golden(f: Curve, lo: int, hi: int) -> Tuple[int, float, int]:
 
 
 def tune(model: SystemModel, ctx: SystemContext, mttf_s: float, hof_ratio: float,
-         max_param: Optional[int] = None) -> TuneResult:
+         max_param: int | None = None) -> TuneResult:
     """The knob value maximizing the analytic ETTR."""
     top = max_param or model.max_param(ctx)
     if model.knob == "window":

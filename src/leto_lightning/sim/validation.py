@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from leto_lightning.sim.checks import require
 from leto_lightning.sim.ettr import analytic
@@ -41,7 +40,7 @@ TINY_SOURCE = ("benchmarks/tiny_step_time.py on this project's CPU machine (one 
                "thread, plain torch, no communication)")
 
 
-def _tiny_entries(file: Path) -> List[Dict[str, object]]:
+def _tiny_entries(file: Path) -> list[dict[str, object]]:
     tiny = file.with_name(TINY_NAME)
     if not tiny.is_file():
         return []
@@ -54,7 +53,7 @@ def _tiny_entries(file: Path) -> List[Dict[str, object]]:
              "include_comm": False, "source": TINY_SOURCE} for name, seconds in sorted(data.items())]
 
 
-def load_measured(path: Optional[Path | str] = None) -> Dict[str, list]:
+def load_measured(path: Path | str | None = None) -> dict[str, list]:
     """The measurements file (``docs/sim/measured.json`` by default)."""
     file = Path(path) if path else MEASURED_PATH
     require(file.is_file(), "measured file", str(file), "does not exist")
@@ -67,7 +66,7 @@ def load_measured(path: Optional[Path | str] = None) -> Dict[str, list]:
             "ettr": list(data.get("ettr", []))}
 
 
-def entry_workload(entry: Dict[str, object], batch: Optional[int] = None) -> Workload:
+def entry_workload(entry: dict[str, object], batch: int | None = None) -> Workload:
     """The recipe of a measurement with the entry's overrides applied."""
     wl = load_workload(str(entry["recipe"]), str(entry.get("size", "full")))
     degrees = {k: entry.get(k) for k in ("dp", "tp", "pp", "ep")}
@@ -81,11 +80,11 @@ def entry_workload(entry: Dict[str, object], batch: Optional[int] = None) -> Wor
     return replace(wl, model=replace(wl.model, **model), data=replace(wl.data, **data))
 
 
-def entry_hardware(entry: Dict[str, object]) -> HardwareProfile:
+def entry_hardware(entry: dict[str, object]) -> HardwareProfile:
     return get_hardware(str(entry.get("hardware", "a100")), entry.get("hw") or None)  # type: ignore[arg-type]
 
 
-def implied_global_batch(entry: Dict[str, object], measured_s: float) -> int:
+def implied_global_batch(entry: dict[str, object], measured_s: float) -> int:
     """Smallest global batch (a multiple of dp x micro_batch) whose predicted iteration time
     reaches ``measured_s``."""
     probe = entry_workload(entry, batch=1)
@@ -111,18 +110,18 @@ class IterationRow:
     size: str
     hardware: str
     measured_s: float
-    global_batch: Optional[int]
-    predicted_s: Optional[float]
-    error: Optional[float]             # predicted / measured - 1
-    implied_batch: Optional[int]
-    reference_predicted_s: Optional[float]
+    global_batch: int | None
+    predicted_s: float | None
+    error: float | None             # predicted / measured - 1
+    implied_batch: int | None
+    reference_predicted_s: float | None
     source: str
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def iteration_rows(path: Optional[Path | str] = None) -> List[IterationRow]:
+def iteration_rows(path: Path | str | None = None) -> list[IterationRow]:
     """Predicted vs measured iteration time for every entry of the measurements file."""
     rows = []
     for entry in load_measured(path)["iteration_time"]:
@@ -155,7 +154,7 @@ class EttrRow:
     interval: int
     measured_ettr: float
     predicted_ettr: float
-    measured_recovery_s: Optional[float]
+    measured_recovery_s: float | None
     predicted_recovery_s: float
     source: str
 
@@ -163,11 +162,11 @@ class EttrRow:
     def error_points(self) -> float:
         return 100.0 * (self.predicted_ettr - self.measured_ettr)
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "error_points": self.error_points}
 
 
-def ettr_rows(path: Optional[Path | str] = None) -> List[EttrRow]:
+def ettr_rows(path: Path | str | None = None) -> list[EttrRow]:
     """Analytic ETTR at the measured setting (interval, MTTF, HOF share, iteration time)."""
     rows = []
     for entry in load_measured(path)["ettr"]:

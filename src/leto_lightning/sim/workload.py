@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 from leto_lightning.sim.checks import fail, int_at_least, require
 
@@ -216,7 +215,7 @@ class Workload:
 
 
 # docs/design.md section 5: total / active parameters in billions.
-DESIGN_PARAMS: Dict[str, Tuple[float, float]] = {
+DESIGN_PARAMS: dict[str, tuple[float, float]] = {
     "qwen": (4.0, 4.0), "olmoe": (6.9, 1.3), "deepseek_moe": (16.4, 2.8),
     "gpt_moe": (20.9, 3.6), "kimi_moe": (49.1, 3.1), "deepseek_v2": (236.0, 21.0),
     "deepseek_v3": (671.0, 37.0), "deepseek_v4": (1600.0, 49.0),
@@ -236,7 +235,7 @@ def _moe(d: int, layers: int, heads: int, ffn: int, eh: int, experts: int, k: in
 
 # Same numbers as the recipes' full forms (recipes/*.yaml, where each architecture choice is
 # explained); kept in code so the simulator does not depend on those files.
-BUILTIN_WORKLOADS: Dict[str, Workload] = {
+BUILTIN_WORKLOADS: dict[str, Workload] = {
     "qwen": _builtin("qwen", dict(vocab_size=151936, d_model=2560, n_layers=36, n_heads=32,
                                   n_kv_heads=8, ffn_hidden=9728, seq_len=4096),
                      dict(dp=2, tp=2, pp=1, ep=1), dict(global_batch=512, micro_batch=2)),
@@ -274,7 +273,7 @@ def recipes_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "recipes"
 
 
-def _recipe_file(name_or_path: str) -> Optional[Path]:
+def _recipe_file(name_or_path: str) -> Path | None:
     direct = Path(name_or_path).expanduser()
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
         if not direct.is_file():
@@ -293,10 +292,10 @@ def _section(cfg: object, size: str, part: str) -> dict:
     return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
 
 
-def _from_yaml(path: Path, size: str, fallback: Optional[Workload]) -> Tuple[Workload, List[str]]:
+def _from_yaml(path: Path, size: str, fallback: Workload | None) -> tuple[Workload, list[str]]:
     from omegaconf import OmegaConf
 
-    notes: List[str] = []
+    notes: list[str] = []
     try:
         cfg = OmegaConf.load(path)
     except Exception as exc:  # a broken file must name itself
@@ -326,7 +325,7 @@ def _from_yaml(path: Path, size: str, fallback: Optional[Workload]) -> Tuple[Wor
     return wl, notes
 
 
-def check_against_design(workload: Workload, tolerance: float = 0.05) -> List[str]:
+def check_against_design(workload: Workload, tolerance: float = 0.05) -> list[str]:
     """Warnings where the counted parameters are off docs/design.md section 5 by more than 5%."""
     if workload.name not in DESIGN_PARAMS:
         return []
@@ -365,8 +364,8 @@ def load_workload(name_or_path: str, size: str = "full") -> Workload:
     return workload
 
 
-def with_parallelism(workload: Workload, n_gpus: Optional[int] = None,
-                     **degrees: Optional[int]) -> Workload:
+def with_parallelism(workload: Workload, n_gpus: int | None = None,
+                     **degrees: int | None) -> Workload:
     """Override parallelism degrees and/or the GPU count.
 
     With only ``n_gpus``, DP is scaled to reach it and the global batch scales with DP (constant

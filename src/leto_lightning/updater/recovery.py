@@ -36,8 +36,8 @@ Only ``LetoError``s leave ``recover_node``: anything else is reported as a ``Rec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 

@@ -11,7 +11,7 @@ protected by one whole-state transaction per step (``updater.whole_state``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,9 +26,8 @@ from ..errors import (
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
-from ..retained.store import RetainedStore, StoreSpec
 from ..retained.shm import new_job_id
-from ..retained.store import FLAG_GENERIC_STATE_BOUND
+from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
 from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
@@ -123,7 +122,7 @@ class RetainedOptimizer:
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, config: RetainedConfig | None = None, *,
                job_id: str | None = None, rank: int = 0, node: int = 0, local_rank: int = 0, n_local: int = 1,
-               **kwargs) -> "RetainedOptimizer":
+               **kwargs) -> RetainedOptimizer:
         """Allocate a store for ``optimizer`` (in this process: tests, single-process use)."""
         config = config or RetainedConfig()
         layout = layout_for(optimizer, config, whole_state=bool(kwargs.get("rollback_window")))

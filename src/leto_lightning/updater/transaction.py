@@ -17,11 +17,10 @@ bit-identical to an uninterrupted update.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
-
 import torch
 
 from ..errors import RecoveryError
@@ -191,13 +190,13 @@ class ChunkTransactions:
         point("chunk.committed", chunk=chunk)
         self.meta.mirror_chunk(chunk)
 
-    def _plan(self, chunk: int) -> "ChunkPlan":
+    def _plan(self, chunk: int) -> ChunkPlan:
         plan = self._plans.get(chunk)
         if plan is None:
             plan = self._plans[chunk] = ChunkPlan.build(self.store, chunk)
         return plan
 
-    def _save_undo(self, plan: "ChunkPlan", iteration: int) -> None:
+    def _save_undo(self, plan: ChunkPlan, iteration: int) -> None:
         store = self.store
         for dst, src in plan.undo_copies:
             dst.copy_(src)
@@ -211,7 +210,7 @@ class ChunkTransactions:
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
-    def _tier1_delta(self, plan: "ChunkPlan") -> None:
+    def _tier1_delta(self, plan: ChunkPlan) -> None:
         code = self.codes.tier1
         if code is None:
             return
@@ -220,7 +219,7 @@ class ChunkTransactions:
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
 
-    def _tier2_delta(self, plan: "ChunkPlan") -> None:
+    def _tier2_delta(self, plan: ChunkPlan) -> None:
         code = self.codes.tier2
         if code is None:
             return
@@ -252,7 +251,7 @@ class ChunkPlan:
     _all: ChunkPieces | None = None
 
     @classmethod
-    def build(cls, store: RetainedStore, chunk: int) -> "ChunkPlan":
+    def build(cls, store: RetainedStore, chunk: int) -> ChunkPlan:
         lay = store.layout
         seg = int(lay.chunk_segment[chunk])
         kinds = lay.update_kinds(seg)

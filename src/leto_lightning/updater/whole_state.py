@@ -13,14 +13,16 @@ step, inside the first transaction.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Sequence
 
 import torch
 
 from ..errors import ConfigurationError, RecoveryError
 from ..faults.points import point
+from ..protection.checksum import checksum
 from ..retained.layout import GRAD, PARAM
+from ..retained.spec import words_crc
 from ..retained.store import (
     CHECKSUMMED,
     FLAG_GENERIC_STATE_BOUND,
@@ -33,9 +35,7 @@ from ..retained.store import (
     UNDO_WHOLE,
     RetainedStore,
 )
-from ..retained.spec import words_crc
 from .transaction import ChunkTransactions, ParityCodes, settle, to_i64
-from ..protection.checksum import checksum
 
 
 class UnsupportedOptimizerError(ConfigurationError, TypeError):

@@ -23,8 +23,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator

@@ -7,7 +7,8 @@ is worse than a refusal.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ...errors import ConfigurationError
 

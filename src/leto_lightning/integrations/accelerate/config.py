@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
@@ -33,12 +34,12 @@ class _LetoConfigBase:
     """Methods of ``LetoConfig`` (its fields are made from the two option classes below)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(getattr(self, "rollback_window"), bool):
-            raise ConfigurationError(f"rollback_window={getattr(self, 'rollback_window')!r}: choose True (the exact "
+        if not isinstance(self.rollback_window, bool):
+            raise ConfigurationError(f"rollback_window={self.rollback_window!r}: choose True (the exact "
                                      "mode: user code after opt.step() is redone after a crash) or False")
         self.retained_config()  # raises ConfigurationError naming the value and the fix
         try:  # LetoRuntimeOptions raises plain ValueErrors: the same messages, from the error root
-            object.__setattr__(self, "shadow_level", LetoRuntimeOptions.parse_level(getattr(self, "shadow_level")))
+            object.__setattr__(self, "shadow_level", LetoRuntimeOptions.parse_level(self.shadow_level))
             self.runtime_options()
         except ConfigurationError:
             raise
@@ -51,7 +52,7 @@ class _LetoConfigBase:
     def runtime_options(self) -> LetoRuntimeOptions:
         return LetoRuntimeOptions(**{f.name: getattr(self, f.name) for f in _RUNTIME})
 
-    def with_environment(self, env: Mapping[str, str] = os.environ) -> "LetoConfig":
+    def with_environment(self, env: Mapping[str, str] = os.environ) -> LetoConfig:
         """This config with every ``LETO_<FIELD>`` variable applied (validated again)."""
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]

@@ -23,8 +23,9 @@ restored at the same place relative to the fetches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +52,7 @@ class Position:
 class _PositionedLoader:
     """Mixin placed before the prepared loader's class (see ``positioned``)."""
 
-    _leto_accelerator: "LetoAccelerator"
+    _leto_accelerator: LetoAccelerator
     _leto_index: int
     _leto_yielded: int
     _leto_epoch_rng: dict | None
@@ -132,7 +133,7 @@ _END = object()
 _SET_CLASS = object.__dict__["__class__"].__set__
 
 
-def positioned(loader: Any, accelerator: "LetoAccelerator", index: int) -> Any:
+def positioned(loader: Any, accelerator: LetoAccelerator, index: int) -> Any:
     """Turn a prepared loader into its positioned subclass, in place (the same object)."""
     cls = type(loader)
     if isinstance(loader, _PositionedLoader):

@@ -15,7 +15,8 @@ views into retained memory), still called by Accelerate only on sync micro-steps
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class LetoAcceleratedOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` stepping through retained memory (module doc)."""
 
-    def __init__(self, optimizer: Any, accelerator: "LetoAccelerator", device_placement: bool = True,
+    def __init__(self, optimizer: Any, accelerator: LetoAccelerator, device_placement: bool = True,
                  scaler: Any = None) -> None:
         super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
         self._leto = accelerator

@@ -49,7 +49,7 @@ class ResumePoint:
     micro_step: int
 
 
-def capture(acc: "LetoAccelerator", kind: str, loader: Any | None) -> dict:
+def capture(acc: LetoAccelerator, kind: str, loader: Any | None) -> dict:
     """The payload now (see module doc); ``loader``: the loader whose batch the loop trains on."""
     return {
         "version": PAYLOAD_VERSION, "kind": kind, "step": int(acc.step),
@@ -64,7 +64,7 @@ def capture(acc: "LetoAccelerator", kind: str, loader: Any | None) -> dict:
     }
 
 
-def restore(acc: "LetoAccelerator", payload: dict) -> ResumePoint:
+def restore(acc: LetoAccelerator, payload: dict) -> ResumePoint:
     """Put back everything but retained memory; position the prepared loaders."""
     acc.step = payload["step"]
     apply_param_groups(acc.leto_optimizer.optimizer, payload["hparams"])
@@ -88,7 +88,7 @@ def restore(acc: "LetoAccelerator", payload: dict) -> ResumePoint:
     return ResumePoint(where["epoch"], where["yielded"], acc.retained.iteration, acc.step)
 
 
-def finish_step(acc: "LetoAccelerator") -> None:
+def finish_step(acc: LetoAccelerator) -> None:
     """What the loop and Accelerate did after a committed ``prepare`` payload: the schedulers'
     step after ``opt.step()`` and the scaler's ``update()`` of a step that was not skipped."""
     state = acc.gradient_state

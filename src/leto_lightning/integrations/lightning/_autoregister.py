@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 TARGET = "lightning.pytorch"
 

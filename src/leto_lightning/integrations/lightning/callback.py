@@ -41,10 +41,10 @@ class LetoLoopStateCallback(Callback):
     """Re-records the resume payload at the points Lightning can resume from (module doc)."""
 
     def __init__(self) -> None:
-        self._strategy: "LetoStrategy | None" = None
+        self._strategy: LetoStrategy | None = None
         self.records = 0  # payloads this callback wrote (observability, tests)
 
-    def attach(self, strategy: "LetoStrategy") -> None:
+    def attach(self, strategy: LetoStrategy) -> None:
         self._strategy = strategy
 
     def __getstate__(self) -> dict[str, Any]:
@@ -73,12 +73,12 @@ class LetoLoopStateCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing to restore here: ``LetoStrategy.load_checkpoint`` uses the payload."""
 
-    def payload_at_prepare(self, trainer: "pl.Trainer") -> dict[str, Any]:
+    def payload_at_prepare(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The transaction's ``payload_fn``: called at prepare, inside the optimizer step."""
         return capture(trainer, "prepare")
 
     # -- hooks ---------------------------------------------------------------------------
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:
@@ -92,18 +92,18 @@ class LetoLoopStateCallback(Callback):
         else:
             strategy.clean_since_step = False  # an accumulation micro-batch: keep the last record
 
-    def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         strategy = self._strategy
         if strategy is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             strategy.fault_point("lightning.validation", "validation")
 
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._strategy is not None:
             plateau.allow_epoch_steps(trainer)  # a resumed fit steps epoch plateau schedulers too
             self._strategy.fault_point("lightning.epoch_end", "epoch_end")
 
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:
             return
@@ -117,7 +117,7 @@ class LetoLoopStateCallback(Callback):
             self.records += 1
 
 
-def step_skipped(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+def step_skipped(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """This batch ended an accumulation window, yet no transaction ran: 16-mixed's grad scaler
     found inf/nan gradients and skipped ``optimizer.step`` (or ``training_step`` returned None).
 

@@ -6,13 +6,11 @@ outside a transaction, or not in retained memory) is worse than a refusal.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
-import inspect
-
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
@@ -38,7 +36,7 @@ def reject_ddp_options(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
 
 
-def check_trainer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> None:
+def check_trainer(strategy: LetoStrategy, trainer: pl.Trainer) -> None:
     """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
     check_precision(strategy.precision_plugin)
     if strategy.root_device.type != "cpu":
@@ -65,7 +63,7 @@ def check_precision(precision: Precision) -> None:
                          "cannot be replayed exactly -- use torch.amp.GradScaler")
 
 
-def the_optimizer(strategy: "LetoStrategy", trainer: "pl.Trainer") -> torch.optim.Optimizer:
+def the_optimizer(strategy: LetoStrategy, trainer: pl.Trainer) -> torch.optim.Optimizer:
     """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
     if len(strategy.optimizers) != 1:
         raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "

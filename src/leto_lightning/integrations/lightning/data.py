@@ -24,7 +24,8 @@ draws its seed from the global RNG and cannot be replayed; ``LetoStrategy`` warn
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler

@@ -32,7 +32,8 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
@@ -69,12 +70,12 @@ def supervise(argv: list[str], script: str) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def _supervisor_argv(strategy: "LetoStrategy", script: str) -> list[str]:
+def _supervisor_argv(strategy: LetoStrategy, script: str) -> list[str]:
     return ["-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(strategy.num_processes), script,
             *sys.argv[1:]]
 
 
-def check_launch(strategy: "LetoStrategy") -> None:
+def check_launch(strategy: LetoStrategy) -> None:
     """Launchers that kill every rank when one dies: become their ranks' supervisor (re-run the
     script under ``leto launch``; under torchrun/srun each process becomes its rank's agent) or,
     where that is impossible, refuse naming the command."""
@@ -100,14 +101,14 @@ def check_launch(strategy: "LetoStrategy") -> None:
 class LetoLauncher(_Launcher):
     """Runs the trainer function in this process; never spawns ranks (``leto launch`` does)."""
 
-    def __init__(self, strategy: "LetoStrategy") -> None:
+    def __init__(self, strategy: LetoStrategy) -> None:
         self._strategy = strategy
 
     @property
     def is_interactive_compatible(self) -> bool:
         return True
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         check_launch(strategy)
         # What "ddp"'s launcher does in every process it runs (started by it, torchrun or by hand): with

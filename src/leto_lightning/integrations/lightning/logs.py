@@ -74,7 +74,7 @@ class LogKeeper:
         self.ckpt_step = 0  # global step of the newest checkpoint file when this process resumed
         # at on_train_start: (retained iteration, global step, newest checkpoint's global step)
         self.start: tuple[int | None, int, int] = (None, 0, 0)
-        self.link: "RuntimeLink | None" = None
+        self.link: RuntimeLink | None = None
         self.kept: set[int] = set()  # CSVLoggers whose file this process continues (not recreates)
         self.tensorboard: dict[int, TensorBoardContinuity] = {}  # TensorBoardLogger index -> its keeper
         self.tb_kept: set[int] = set()  # TensorBoardLoggers this process continues
@@ -86,7 +86,7 @@ class LogKeeper:
         return dict(self.__dict__, link=None, reader=None)
 
     # -- before Lightning creates the loggers' experiments (setup_environment) --------------
-    def prepare(self, trainer: "pl.Trainer", link: "RuntimeLink | None", rank: int, continues: bool = False) -> None:
+    def prepare(self, trainer: pl.Trainer, link: RuntimeLink | None, rank: int, continues: bool = False) -> None:
         """``link``: under ``leto launch``; without it, ``continues`` says whether this fit resumes
         (from retained memory or a checkpoint file)."""
         self.active = True
@@ -135,7 +135,7 @@ class LogKeeper:
         logger._leto_counted = True
 
     # -- the resume payload ----------------------------------------------------------------
-    def state(self, trainer: "pl.Trainer", kind: str) -> dict[str, Any] | None:
+    def state(self, trainer: pl.Trainer, kind: str) -> dict[str, Any] | None:
         if not self.active:
             return None
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
@@ -144,7 +144,7 @@ class LogKeeper:
                 "tensorboard": {i: tb.state(step) for i, tb in self.tensorboard.items()},
                 "pending": pending_step_metrics(trainer) if kind in ("prepare", "batch_end") else None}
 
-    def continue_from(self, trainer: "pl.Trainer", payload: Any) -> None:
+    def continue_from(self, trainer: pl.Trainer, payload: Any) -> None:
         """A resumed process (or a restart from a checkpoint file): cut the continued CSV files
         back to the payload's rows (none without a payload), purge the TensorBoard logs from the
         payload's step, remember what was logged."""
@@ -164,7 +164,7 @@ class LogKeeper:
         self.ckpt_step = int(logs.get("ckpt_step", 0))  # ModelCheckpoint does not restore its own
         self.pending = logs.get("pending")
 
-    def on_train_start(self, trainer: "pl.Trainer", iteration: int | None = None) -> None:
+    def on_train_start(self, trainer: pl.Trainer, iteration: int | None = None) -> None:
         """Log the step metrics the predecessor never logged; note the newest checkpoint and
         where this process starts (retained ``iteration``, Lightning's global step)."""
         if not self.active:
@@ -176,7 +176,7 @@ class LogKeeper:
             trainer._logger_connector.log_metrics(dict(pending["metrics"], epoch=pending["epoch"]), step=pending["step"])
 
     # -- recovery metrics --------------------------------------------------------------------
-    def log_recoveries(self, trainer: "pl.Trainer") -> int:
+    def log_recoveries(self, trainer: pl.Trainer) -> int:
         """Log the recoveries the agent finished since the last call (global rank 0)."""
         if self.reader is None:
             return 0
@@ -198,13 +198,13 @@ class LogKeeper:
             logged += 1
         return logged
 
-    def checkpoint_saved(self, link: "RuntimeLink", step: int) -> None:
+    def checkpoint_saved(self, link: RuntimeLink, step: int) -> None:
         """A checkpoint file of ``step`` is on disk: tell the job (its store), so a trainer that
         resumes from a payload older than the file still knows it (the recovery metrics)."""
         link.set_value(CKPT_STEP_KEY, str(step))
         self.ckpt_step = max(self.ckpt_step, step)
 
-    def _newest_checkpoint(self, trainer: "pl.Trainer", ask_job: bool = False) -> int:
+    def _newest_checkpoint(self, trainer: pl.Trainer, ask_job: bool = False) -> int:
         """The global step of the newest checkpoint file: the callbacks' own, the payload's
         (ModelCheckpoint does not restore it), and with ``ask_job`` the job's store (under
         ``leto launch``: a file saved after the payload this process resumed from)."""
@@ -218,7 +218,7 @@ class LogKeeper:
         mine, step, _ = self.start
         return step if iteration == mine else iteration
 
-    def finish(self, trainer: "pl.Trainer", wait_s: float = 5.0) -> str | None:
+    def finish(self, trainer: pl.Trainer, wait_s: float = 5.0) -> str | None:
         """End of ``fit()`` on global rank 0: log what is left and print the summary table."""
         if self.reader is None:
             return None
@@ -237,7 +237,7 @@ class LogKeeper:
         return table
 
 
-def pending_step_metrics(trainer: "pl.Trainer") -> dict[str, Any] | None:
+def pending_step_metrics(trainer: pl.Trainer) -> dict[str, Any] | None:
     """What ``update_train_step_metrics`` will log after this batch (None: nothing)."""
     connector = trainer._logger_connector
     if trainer.fit_loop._should_accumulate() or not (connector.should_update_logs or trainer.fast_dev_run):

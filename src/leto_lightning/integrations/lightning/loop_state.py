@@ -24,7 +24,7 @@ from lightning.pytorch.loops.progress import _BaseProgress
 logger = logging.getLogger(__name__)
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
-_CHECKED: "weakref.WeakKeyDictionary[_Loop, bool]" = weakref.WeakKeyDictionary()  # loop -> fast path agrees
+_CHECKED: weakref.WeakKeyDictionary[_Loop, bool] = weakref.WeakKeyDictionary()  # loop -> fast path agrees
 _SCALARS = (int, float, bool, str, type(None))
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 RETAINED_CKPT = "leto://retained"  # ``trainer.fit(ckpt_path=...)``: resume from retained memory
 ENV_JOB_ID = "LETO_JOB_ID"

@@ -12,7 +12,8 @@ Trainer's ``devices x num_nodes``.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ...runtime import per_rank as neutral
 from ...runtime.per_rank import RankLaunch, agent_argv, check_layout, from_torchrun, plain_script  # noqa: F401
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 WHO = "LetoStrategy"
 
 
-def detect(strategy: "LetoStrategy", env: Mapping[str, str] = os.environ) -> RankLaunch | None:
+def detect(strategy: LetoStrategy, env: Mapping[str, str] = os.environ) -> RankLaunch | None:
     """The rank this process is, when torchrun or srun started it (``None`` otherwise)."""
     if env.get("TORCHELASTIC_RUN_ID"):
         return from_torchrun(env)
@@ -42,7 +43,7 @@ def from_slurm(cluster, devices: int, env: Mapping[str, str] = os.environ) -> Ra
                               cluster.node_rank(), cluster.main_address, cluster.main_port, env)
 
 
-def become_rank_agent(strategy: "LetoStrategy", launch: RankLaunch, script: str | None) -> None:
+def become_rank_agent(strategy: LetoStrategy, launch: RankLaunch, script: str | None) -> None:
     """Exec into this rank's agent (never returns), or raise saying what to do instead."""
     check_layout(launch, strategy.num_processes, strategy.num_nodes, WHO)
     options = strategy.leto_options

@@ -27,14 +27,13 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
 
-def monitored(trainer: "pl.Trainer") -> dict[str, Any]:
+def monitored(trainer: pl.Trainer) -> dict[str, Any]:
     """The current values of the metrics plateau schedulers monitor (copies)."""
     keys = {c.monitor for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.monitor}
     if not keys:
@@ -44,7 +43,7 @@ def monitored(trainer: "pl.Trainer") -> dict[str, Any]:
             for k in keys if k in metrics}
 
 
-def plateau_due(trainer: "pl.Trainer") -> list[tuple[int, str]]:
+def plateau_due(trainer: pl.Trainer) -> list[tuple[int, str]]:
     """(scheduler index, interval) of the plateau steps Lightning takes after this batch's end:
     mirrors ``_TrainingEpochLoop._update_learning_rates`` at the two places it runs them."""
     loop = trainer.fit_loop.epoch_loop
@@ -63,7 +62,7 @@ def plateau_due(trainer: "pl.Trainer") -> list[tuple[int, str]]:
     return due
 
 
-def apply_due(trainer: "pl.Trainer", payload: dict[str, Any], step_schedulers) -> dict[str, Any]:
+def apply_due(trainer: pl.Trainer, payload: dict[str, Any], step_schedulers) -> dict[str, Any]:
     """Take the plateau steps a batch-end payload owes (module doc); returns a new payload.
     ``step_schedulers(trainer, out, [(index, metric)])`` steps them on the real schedulers."""
     configs = trainer.lr_scheduler_configs
@@ -83,13 +82,13 @@ def apply_due(trainer: "pl.Trainer", payload: dict[str, Any], step_schedulers) -
     return step_schedulers(trainer, out, steps) if steps else out
 
 
-def restore_monitored(trainer: "pl.Trainer", values: dict[str, Any]) -> None:
+def restore_monitored(trainer: pl.Trainer, values: dict[str, Any]) -> None:
     """Put a payload's monitored metrics back into ``callback_metrics`` (a resumed fit)."""
     if values:
         trainer._logger_connector._callback_metrics.update(values)
 
 
-def allow_epoch_steps(trainer: "pl.Trainer") -> None:
+def allow_epoch_steps(trainer: pl.Trainer) -> None:
     """At ``on_train_epoch_end`` of a resumed fit: let Lightning step epoch-interval plateau
     schedulers, as it does in an uninterrupted run (module doc)."""
     if trainer.fit_loop._restarting and any(

@@ -11,7 +11,8 @@ else -- ``param_groups``, ``state``, ``defaults``, ``state_dict`` -- is the real
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -27,9 +27,8 @@ import random
 import weakref
 from typing import Any
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer import call
 
 from ...updater.retained_optimizer import hyperparameters
@@ -81,7 +80,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 # -- capture ---------------------------------------------------------------------------------
-_PARAM_NAMES: "weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
+_PARAM_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def non_parameter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -106,7 +105,7 @@ def capturing() -> bool:
     return _capturing
 
 
-def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
+def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
     """Everything outside retained memory that the resumed trainer needs (see module doc)."""
     global _capturing
     if kind not in KINDS:
@@ -140,7 +139,7 @@ def capture(trainer: "pl.Trainer", kind: str) -> dict[str, Any]:
     return payload
 
 
-def schedulers_due(trainer: "pl.Trainer") -> list[int]:
+def schedulers_due(trainer: pl.Trainer) -> list[int]:
     """Indices of the LR schedulers Lightning steps after this batch's optimizer step.
 
     Mirrors ``_TrainingEpochLoop.update_lr_schedulers`` as called from ``advance``: step-interval
@@ -160,7 +159,7 @@ def schedulers_due(trainer: "pl.Trainer") -> list[int]:
     return due
 
 
-def validation_due(trainer: "pl.Trainer") -> bool:
+def validation_due(trainer: pl.Trainer) -> bool:
     """Whether Lightning runs validation after this training batch (in the epoch loop's
     ``on_advance_end``, after ``on_train_batch_end``)."""
     loop = trainer.fit_loop.epoch_loop
@@ -191,7 +190,7 @@ def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def settle_rerun_validation(trainer: "pl.Trainer") -> None:
+def settle_rerun_validation(trainer: pl.Trainer) -> None:
     """After a validation ``resume_into_validation`` made Lightning run: the epoch's total
     validation counters as an uninterrupted run has them (see there)."""
     total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
@@ -207,7 +206,7 @@ def _bump(progress: dict, *fields: str) -> None:
             progress[scope][f] += 1
 
 
-def finish_batch(trainer: "pl.Trainer", payload: dict[str, Any]) -> dict[str, Any]:
+def finish_batch(trainer: pl.Trainer, payload: dict[str, Any]) -> dict[str, Any]:
     """A ``"prepare"`` payload turned into the state inside ``on_train_batch_end`` of its batch.
 
     Steps the real schedulers (they exist: LetoStrategy restores after ``setup``), so a
@@ -225,7 +224,7 @@ def finish_batch(trainer: "pl.Trainer", payload: dict[str, Any]) -> dict[str, An
     return out
 
 
-def step_schedulers(trainer: "pl.Trainer", out: dict[str, Any], steps: list[tuple[int, Any]]) -> dict[str, Any]:
+def step_schedulers(trainer: pl.Trainer, out: dict[str, Any], steps: list[tuple[int, Any]]) -> dict[str, Any]:
     """Step the real schedulers ``[(index, metric)]`` from the payload's state, through the
     module's own ``lr_scheduler_step`` (a user override is honoured), and record the result and
     Lightning's scheduler counters in ``out`` (modified)."""
@@ -279,7 +278,7 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> 
                 group[key] = value
 
 
-def build_checkpoint(trainer: "pl.Trainer", payload: dict[str, Any] | None) -> dict[str, Any]:
+def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dict[str, Any]:
     """The in-memory checkpoint ``LetoStrategy.load_checkpoint`` hands Lightning.
 
     Parameters and optimizer state are the retained views themselves (already adopted), so

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...faults.points import point
 from ...runtime import keys
@@ -34,11 +34,11 @@ from ...runtime import keys
 if TYPE_CHECKING:  # pragma: no cover
     from ...runtime.session import Session
 
-_SESSION: "Session | None" = None
+_SESSION: Session | None = None
 _IMPORTED_AT = time.time()
 
 
-def session() -> "Session":
+def session() -> Session:
     """This process's session with the agent (connects on first use; L1/L2 shadows wait here)."""
     global _SESSION
     if _SESSION is None:
@@ -65,14 +65,14 @@ class RuntimeLink:
 
     def __init__(self, heartbeat_interval: float) -> None:
         self.heartbeat_interval = heartbeat_interval
-        self.session: "Session | None" = None
+        self.session: Session | None = None
         self._first_done = False
         self._resume_started: float | None = None
         self._resume_iteration: int | None = None
         self._last_beat = 0.0
 
     # -- who this process is ---------------------------------------------------------------
-    def connect(self) -> "Session":
+    def connect(self) -> Session:
         if self.session is None:
             self.session = session()
         return self.session

@@ -25,16 +25,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Optional
-
-import torch
-from torch.utils.data import DataLoader
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
 
 from ...faults.points import point
 from ...retained.config import RetainedConfig
@@ -42,15 +42,15 @@ from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
 from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2, layout_for
 from ...updater.transaction import COMMITTED, ParityCodes
+from . import plateau
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
-from .frozen import FrozenPayload
 from .environment import LetoEnvironment, under_leto_launch
+from .frozen import FrozenPayload
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
-from . import plateau
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
 from .runtime_link import RuntimeLink
@@ -108,7 +108,7 @@ class LetoStrategy(DDPStrategy):
         self._resumed_from: dict | None = None  # build_checkpoint's "leto" entry: what on_train_start restores
         self.rerunning_validation = False  # resumed into a validation the crash interrupted (resume.py)
         self._optimizers_ready = False
-        self._train_loaders: "weakref.WeakSet[ResumableDataLoader]" = weakref.WeakSet()
+        self._train_loaders: weakref.WeakSet[ResumableDataLoader] = weakref.WeakSet()
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled or deep-copied strategy (``torch.save(trainer)``, ``copy.deepcopy``) is a
@@ -169,7 +169,7 @@ class LetoStrategy(DDPStrategy):
             self.runtime.init_process_group(self._process_group_backend, self._timeout.total_seconds())
 
     # -- setup -------------------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainer(self, trainer)
             if self.loop_state in trainer.callbacks:
@@ -212,13 +212,13 @@ class LetoStrategy(DDPStrategy):
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
 
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
         if self._optimizers_ready:  # created in configure_ddp, before the wrap
             self._optimizers_ready = False
             return
         super().setup_optimizers(trainer)
 
-    def _bind_retained(self, trainer: "pl.Trainer") -> None:
+    def _bind_retained(self, trainer: pl.Trainer) -> None:
         optimizer = the_optimizer(self, trainer)
         self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
         # pickled once: the prepare and commit records write the same payload (frozen.py)
@@ -251,7 +251,7 @@ class LetoStrategy(DDPStrategy):
         self.retained = ro
         self._proxy = proxy_for(optimizer, self._retained_step)
 
-    def _load_checkpoint_file(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> tuple[int, Any]:
+    def _load_checkpoint_file(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[int, Any]:
         """``fit(ckpt_path=<file>)``: load weights and optimizer state *before* binding (the
         bind copies them into retained memory). Returns (global step, resume payload or None)."""
         self._file_checkpoint = None
@@ -291,7 +291,7 @@ class LetoStrategy(DDPStrategy):
             job = self.broadcast(job, src=0)
         return job
 
-    def _prepare_barrier(self) -> Optional[Callable[[], None]]:
+    def _prepare_barrier(self) -> Callable[[], None] | None:
         """No chunk of an iteration commits before every rank prepared it (docs/design.md 2.3)."""
         if self.runtime is not None:
             return self.runtime.barrier  # the session's flag all-reduce
@@ -393,7 +393,7 @@ class LetoStrategy(DDPStrategy):
             self.runtime.alive(self.retained.iteration - 1, phase)
         point(name)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.runtime is not None and self.is_global_zero:
             self.logs.checkpoint_saved(self.runtime, int(checkpoint.get("global_step", 0)))
@@ -414,7 +414,7 @@ class LetoStrategy(DDPStrategy):
         return wrapped
 
     # -- resume --------------------------------------------------------------------------------
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         ckpt_file = self._file_checkpoint
         if ckpt_file is not None and str(checkpoint_path) == ckpt_file["leto_file"]:
             self._file_checkpoint = None  # weights and optimizer state are in retained memory already
@@ -456,7 +456,7 @@ class LetoStrategy(DDPStrategy):
         self._ckpt_file = None
         self._file_checkpoint = None
 
-    def _resume_can_follow(self, trainer: "pl.Trainer") -> bool:
+    def _resume_can_follow(self, trainer: pl.Trainer) -> bool:
         """Whether the fit that ends here leaves retained memory someone resumes from.
 
         Under ``leto launch`` the agent owns it (and frees it when the job ends). Without it, a
@@ -503,7 +503,7 @@ class LetoStrategy(DDPStrategy):
             store.close()
             self.retained = None
 
-    def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: Optional["pl.Trainer"] = None) -> Any:
+    def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: pl.Trainer | None = None) -> Any:
         """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
         continues from retained memory, from a checkpoint file, or starts fresh; returns the
         ckpt_path Lightning should see.

@@ -29,7 +29,8 @@ run ahead of Lightning's step, can see a step twice or lose one.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -51,7 +52,7 @@ class TensorBoardContinuity:
         logger.log_hyperparams = _Hyperparams(self, type(logger).log_hyperparams)  # type: ignore[method-assign]
 
     @classmethod
-    def of(cls, logger: TensorBoardLogger) -> "TensorBoardContinuity":
+    def of(cls, logger: TensorBoardLogger) -> TensorBoardContinuity:
         keeper = getattr(logger, "_leto_continuity", None)
         if keeper is None:
             keeper = cls(logger)

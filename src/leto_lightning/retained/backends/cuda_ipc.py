@@ -123,7 +123,7 @@ class CudaStateManager:
 
     @classmethod
     def start(cls, address: str | None = None, device: int | str = 0, *, exit_when_empty: bool = False,
-              daemon: bool = False, timeout: float = 180.0) -> "CudaStateManager":
+              daemon: bool = False, timeout: float = 180.0) -> CudaStateManager:
         """Launch a manager in a fresh interpreter (``spawn``: CUDA and ``fork`` do not mix) and
         wait until it listens. ``device``: a CUDA index, or ``"cpu"`` for the shared-memory stand-in.
 
@@ -253,7 +253,7 @@ class CudaSegment:
     _host: SharedSegment | None = field(default=None, repr=False)  # the CPU stand-in's mapping
 
     @classmethod
-    def create(cls, name: str, nbytes: int, manager_address: str) -> "CudaSegment":
+    def create(cls, name: str, nbytes: int, manager_address: str) -> CudaSegment:
         """Have the manager allocate a zero-filled buffer, and map it here."""
         if nbytes <= 0:
             raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
@@ -266,13 +266,13 @@ class CudaSegment:
             raise
 
     @classmethod
-    def attach(cls, name: str, manager_address: str) -> "CudaSegment":
+    def attach(cls, name: str, manager_address: str) -> CudaSegment:
         """Map an existing buffer (e.g. from a shadow trainer after the active one died)."""
         share = CudaStateManager(manager_address).lookup(name)
         return cls._open(name, manager_address, share, owner=False)
 
     @classmethod
-    def _open(cls, name: str, address: str, share: dict, owner: bool) -> "CudaSegment":
+    def _open(cls, name: str, address: str, share: dict, owner: bool) -> CudaSegment:
         if share["kind"] == "cuda":
             return cls(name, share["nbytes"], address, owner, _tensor=open_cuda_share(share))
         host = SharedSegment.attach(share["name"])
