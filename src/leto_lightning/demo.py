@@ -169,7 +169,7 @@ class CoreDemo:
 
     def beyond_parity(self) -> bool:
         """More damage than parity covers: detected and reported, never used."""
-        from .protection.repair import UnrecoverableDamageError
+        from .updater.repair import UnrecoverableDamageError
         from .updater.recovery import recover_node
 
         n = self.sc.config.tier1_parity + 1

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from leto_lightning.faults.scenario import CoreScenario, differences, snapshot
-from leto_lightning.protection.repair import UnrecoverableDamageError
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.repair import UnrecoverableDamageError
 
 torch.set_num_threads(1)
 STEPS = 2

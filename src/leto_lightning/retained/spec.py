@@ -29,8 +29,8 @@ import torch
 
 from ..errors import ConfigurationError
 from ..protection.checksum import checksum
-from ..protection.groups import Tier1Plan, Tier2Plan
 from .config import RetainedConfig
+from .groups import Tier1Plan, Tier2Plan
 from .layout import ParamSlot, Region, Segment, StoreLayout
 from .shm import segment_name
 

@@ -43,11 +43,11 @@ import torch
 
 from ..errors import CHECKPOINT_ADVICE, ConfigurationError, LetoError, RecoveryError, UnrecoverableDamageError
 from ..faults.points import point
-from ..protection.repair import RepairReport, page_ok, repair, verify_parity
 from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
 from ..retained.record import read_all
 from ..retained.spec import repair_spec
 from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
+from .repair import RepairReport, page_ok, repair, verify_parity
 from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
 from .whole_state import restore_whole, tail_crc
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UnrecoverableDamageError
 from ..faults.points import point
+from ..protection.checksum import checksum
+from ..protection.codec import ReedSolomonCode
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
-from .checksum import checksum
-from .codec import ReedSolomonCode
-from .errors import UnrecoverableDamageError
 
 __all__ = ["RepairReport", "UnrecoverableDamageError", "find_damage", "page_ok", "repair", "verify_parity"]
 

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..retained.layout import GRAD, StoreLayout
+from .layout import GRAD, StoreLayout
 
 
 @dataclass(frozen=True)
