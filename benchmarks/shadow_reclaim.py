@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from leto_lightning.faults.launched import finish, stop
 from leto_lightning.runtime.memory import SEGMENT_PREFIX, private_bytes, segment_bytes
+from leto_lightning.testing.launched import finish, stop
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "src/leto_lightning/examples/growing_memory.py")
 MIB = 1 << 20

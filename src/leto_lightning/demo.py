@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse what would fail only after the fault-free reference run (minutes)."""
     from .errors import ConfigurationError
-    from .faults.scenario import OPTIMIZERS
+    from .testing.scenario import OPTIMIZERS
 
     if args.core and args.optimizer not in OPTIMIZERS:
         raise ConfigurationError(f"--optimizer {args.optimizer!r} is not one the core demo knows: choose one of "
@@ -94,7 +94,7 @@ class CoreDemo:
     def __init__(self, optimizer: str, seed: int) -> None:
         from rich.table import Table
 
-        from .faults.scenario import CoreScenario
+        from .testing.scenario import CoreScenario
 
         self.sc = CoreScenario(optimizer=optimizer, seed=seed)
         self.rng = random.Random(seed)
@@ -116,7 +116,7 @@ class CoreDemo:
                 self.job.step(r, it)
 
     def _recover_and_check(self, until: int) -> tuple[str, float, bool]:
-        from .faults.scenario import differences, run_step, snapshot
+        from .testing.scenario import differences, run_step, snapshot
         from .updater.recovery import recover_node
 
         t0 = time.perf_counter()
@@ -131,20 +131,20 @@ class CoreDemo:
         return _describe(reports), seconds, all(same)
 
     def _row(self, iteration: int, failure: str) -> None:
-        from .faults.crash import run_in_child
+        from .testing.crash import run_in_child
 
         summaries, seconds, same = run_in_child(lambda: self._recover_and_check(iteration)).value
         self.table.add_row(str(iteration), failure, summaries, f"{seconds * 1e3:.1f} ms", _yes(same))
 
     def _shadow_step(self, rank: int, it: int) -> None:
-        from .faults.scenario import run_step
+        from .testing.scenario import run_step
 
         model, ro = self.job.attach_trainer(rank)
         run_step(self.sc, model, ro, rank, it)
 
     def kill_mid_update(self, it: int) -> None:
         """SIGKILL half-way through the update of ``it`` on device 0 (parity half-updated)."""
-        from .faults.crash import KillPoint, run_in_child
+        from .testing.crash import KillPoint, run_in_child
 
         chunk = self.rng.randrange(1, self.layout.n_chunks)
         assert run_in_child(lambda: self._shadow_step(0, it), kill_at=KillPoint("chunk.tier1_partial", chunk)).killed
@@ -169,8 +169,8 @@ class CoreDemo:
 
     def beyond_parity(self) -> bool:
         """More damage than parity covers: detected and reported, never used."""
-        from .updater.repair import UnrecoverableDamageError
         from .updater.recovery import recover_node
+        from .updater.repair import UnrecoverableDamageError
 
         n = self.sc.config.tier1_parity + 1
         for p in self.job.stores[0].spec.tier1.groups[0][:n]:

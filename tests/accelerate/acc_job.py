@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from leto_lightning.faults import launched
-from leto_lightning.faults.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401
 from leto_lightning.runtime.events import read_events
+from leto_lightning.testing import launched
+from leto_lightning.testing.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "accelerate" / "leto.yaml"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from leto_lightning.faults.crash import KillPoint, PointRecorder, run_in_child
 from leto_lightning.faults.points import set_hook
-from leto_lightning.faults.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, PointRecorder, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.transaction import COMMITTED, PREPARED
 

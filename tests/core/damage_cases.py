@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from leto_lightning.errors import LetoError, RetainedStateError
-from leto_lightning.faults.crash import KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.updater.recovery import recover_node
 
 from .crash_cases import _shadow_step

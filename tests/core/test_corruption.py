@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from leto_lightning.faults.scenario import CoreScenario, differences, snapshot
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.scenario import CoreScenario, differences, snapshot
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.repair import UnrecoverableDamageError
 
@@ -91,7 +91,7 @@ def test_one_page_more_than_parity_covers_is_reported(trained):
 
 def test_crash_plus_poisoned_page_in_another_group(trained):
     """A torn chunk and an unrelated poisoned page in one recovery: both fixed."""
-    from leto_lightning.faults.crash import KillPoint, run_in_child
+    from leto_lightning.testing.crash import KillPoint, run_in_child
 
     from .crash_cases import _shadow_step
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from leto_lightning.faults.scenario import OPTIMIZERS, CoreScenario
+from leto_lightning.testing.scenario import OPTIMIZERS, CoreScenario
 
 from .crash_cases import MAX_T, run_case, step_points
 

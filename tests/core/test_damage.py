@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from leto_lightning.faults.scenario import CoreScenario
+from leto_lightning.testing.scenario import CoreScenario
 
 from .damage_cases import KINDS, make_base, run_damage_case, table
 

@@ -9,9 +9,9 @@ import random
 
 import torch
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences, snapshot
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences, snapshot
 from leto_lightning.updater.recovery import recover_node
 
 from .crash_cases import _shadow_step

@@ -8,7 +8,7 @@ import runpy
 
 import pytest
 
-from leto_lightning.faults.crash import run_in_child
+from leto_lightning.testing.crash import run_in_child
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from leto_lightning.errors import IncompleteStoreError, LetoError, RetainedStateError, UnrecoverableDamageError
-from leto_lightning.faults.crash import KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences, snapshot
 from leto_lightning.retained.shm import new_job_id, unlink_segments
 from leto_lightning.retained.spec import StoreSpec
 from leto_lightning.retained.store import RetainedStore, StoreMissingError
+from leto_lightning.testing.crash import KillPoint, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences, snapshot
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, layout_for
 

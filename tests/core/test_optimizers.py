@@ -119,7 +119,7 @@ def test_shadow_bound_before_the_first_step_resumes_with_the_lazy_state(optimize
     exists: torch creates it at the first step). Promoted later, it must continue with the state
     the active trainer built, not start a fresh one. (Found with manual optimization under
     ``leto launch``: every whole-state optimizer is affected.)"""
-    from leto_lightning.faults.scenario import CoreScenario, differences, run_step, snapshot
+    from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 
     sc = CoreScenario(optimizer=optimizer, n_ranks=1, rollback=optimizer == "adamw")
     reference = sc.reference(3)

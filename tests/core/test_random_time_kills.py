@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from leto_lightning.faults.crash import KillAfter, KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences
+from leto_lightning.testing.crash import KillAfter, KillPoint, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences
 
 from .crash_cases import _prepared, _recover_and_continue, _shadow_step
 

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
-from leto_lightning.faults.scenario import CoreScenario, differences, run_step
 from leto_lightning.retained.shm import new_job_id
 from leto_lightning.retained.store import RetainedStore, StoreSpec
+from leto_lightning.testing.crash import KillPoint, run_in_child
+from leto_lightning.testing.scenario import CoreScenario, differences, run_step
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, layout_for
 

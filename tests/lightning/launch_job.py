@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from leto_lightning.examples import LIGHTNING_TINY
-from leto_lightning.faults import launched
-from leto_lightning.faults.launched import LaunchedRun, free_port, wait_for  # noqa: F401  (re-exported)
 from leto_lightning.runtime.events import iter_events
+from leto_lightning.testing import launched
+from leto_lightning.testing.launched import LaunchedRun, free_port, wait_for  # noqa: F401  (re-exported)
 
 QUIET = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true",
              PYTHONWARNINGS="ignore")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from pl_job import TinyModule, dataloaders
 
-from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy
 from leto_lightning.retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments
+from leto_lightning.testing.crash import run_in_child
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:

@@ -25,9 +25,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from pl_job import TinyModule, dataloaders
 
 from leto_lightning.errors import ConfigurationError
-from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning.tensorboard_logs import TensorBoardContinuity
 from leto_lightning.retained.shm import SEGMENT_PREFIX, list_segments
+from leto_lightning.testing.crash import run_in_child
 
 
 class ClosureRequired(torch.optim.SGD):

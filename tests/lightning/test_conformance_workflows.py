@@ -31,8 +31,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, TensorDataset
 
-from leto_lightning.faults.crash import run_in_child
 from leto_lightning.retained.shm import SEGMENT_PREFIX, list_segments
+from leto_lightning.testing.crash import run_in_child
 
 STRATEGIES = ("ddp", "leto")
 

@@ -28,9 +28,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from pl_job import RunConfig, differences, fit, read_losses, run_ranks
 
-from leto_lightning.faults.crash import ChildError, KillPoint, run_in_child
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import ChildError, KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 
 CHUNKS = 7  # chunk transactions per step at page_bytes=512

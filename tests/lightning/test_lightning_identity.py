@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from pl_job import RunConfig, differences, fit
 
-from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy
+from leto_lightning.testing.crash import run_in_child
 
 
 def _leto(job: str) -> LetoStrategy:

@@ -35,7 +35,7 @@ from launch_job import (
     wandb_history,
 )
 
-from leto_lightning.faults.launched import stop
+from leto_lightning.testing.launched import stop
 
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
 # checkpoints (every 7 steps, plus last.ckpt) after steps 6, 13, 20, 27, 34

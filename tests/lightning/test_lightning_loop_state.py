@@ -16,9 +16,9 @@ import torch
 from pl_job import RunConfig, TinyModule, dataloaders, trainer_for
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from leto_lightning.faults.crash import run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy, ResumableDataLoader
 from leto_lightning.integrations.lightning.resume import apply_param_groups, capture, finish_batch
+from leto_lightning.testing.crash import run_in_child
 from leto_lightning.updater.retained_optimizer import hyperparameters
 
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from pl_job import RunConfig, TinyModule, dataloaders, differences, fit, read_losses, run_ranks, trainer_for
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.faults.points import point
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 
 ACCUMULATE = 2  # the module steps every 2nd batch: 5 steps per epoch, 15 in all

@@ -18,7 +18,7 @@ import torch
 from pl_job import RunConfig, TinyModule, differences, fit
 from test_lightning_resume import _leto, _val_rows, _validating, crash_then_resume
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
+from leto_lightning.testing.crash import KillPoint, run_in_child
 
 CHUNKS = 7  # chunk transactions per step at page_bytes=512
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from pl_job import RunConfig, differences, fit, run_ranks
 
-from leto_lightning.faults.crash import KillPoint
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint
 from leto_lightning.updater.recovery import recover_node
 
 CFG = dict(devices=2, max_epochs=2)  # per epoch: 5 batches per rank, steps after 2, 4 and the last

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from pl_job import RunConfig, differences, fit, read_losses
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 
 CHUNKS = 7  # chunk transactions per step at page_bytes=512

@@ -13,11 +13,11 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from pl_job import RunConfig, TinyModule, dataloaders, fit, trainer_for
 
-from leto_lightning.faults.crash import ChildError, KillPoint, run_in_child
 from leto_lightning.integrations.lightning import LetoStrategy, _autoregister, register
 from leto_lightning.integrations.lightning.proxy import proxy_for, real_optimizer
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import list_segments
+from leto_lightning.testing.crash import ChildError, KillPoint, run_in_child
 
 
 def test_registered_once_and_idempotent() -> None:

@@ -22,10 +22,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from pl_job import RunConfig, differences, fit
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from leto_lightning.faults.crash import KillPoint, run_in_child
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.integrations.lightning.tensorboard_logs import sort_before
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 
 CHUNKS = 7  # chunk transactions per step at page_bytes=512

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from leto_lightning.faults import launched
+from leto_lightning.testing import launched
 
 SCRIPT = str(Path(__file__).with_name("user_script.py"))
 STEPS = 12

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from leto_lightning.examples import PLAIN_DDP
-from leto_lightning.faults import launched
-from leto_lightning.faults.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401  (re-exported)
+from leto_lightning.testing import launched
+from leto_lightning.testing.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401  (re-exported)
 
 
 class LaunchResult(LaunchedRun):

@@ -10,9 +10,9 @@ import os
 import pytest
 
 from leto_lightning import cli
-from leto_lightning.faults.scenario import CoreScenario
 from leto_lightning.retained.shm import SHM_DIR, list_segments
 from leto_lightning.runtime.cleanup import retained_jobs
+from leto_lightning.testing.scenario import CoreScenario
 
 
 def test_cleanup_refuses_mapped_memory_and_frees_it_once_unmapped(capsys) -> None:

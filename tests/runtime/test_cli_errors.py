@@ -127,8 +127,8 @@ def test_event_logs_readers_and_debug(leto, tmp_path, monkeypatch):
 
 def test_cleanup_frees_a_job_whose_prefix_has_dashes(leto, monkeypatch):
     """``LETO_JOB_PREFIX`` with '-' (item 11): the job's segments are found and freed."""
-    from leto_lightning.faults.scenario import CoreScenario
     from leto_lightning.retained.shm import list_segments
+    from leto_lightning.testing.scenario import CoreScenario
 
     monkeypatch.setenv("LETO_JOB_PREFIX", os.environ.get("LETO_JOB_PREFIX", "") + "e-15-")
     job = CoreScenario(n_ranks=1).create_job()

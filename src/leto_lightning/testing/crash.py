@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import LetoError, LetoTimeoutError
-from .points import set_hook
+from ..faults.points import set_hook
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..faults.points import point
 from ..models.tiny import TinyLM
 from ..retained.config import RetainedConfig
 from ..retained.shm import new_job_id, unlink_segments
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
-from .points import point
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
