@@ -23,10 +23,16 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError
-from . import gf256, staging
 from .engines import ErasureEngine, get_engine
 from .engines.base import check_pages
 from .errors import ParityExhaustedError
+from .gf256 import MAX_CODE_LENGTH, cauchy_matrix, invert, matmul
+from .staging import apply_contribution as staged_contribution
+from .staging import apply_delta as staged_delta
+from .staging import crosses
+from .staging import encode as staged_encode
+from .staging import reconstruct as staged_reconstruct
+from .staging import verify as staged_verify
 
 
 def decode_matrix(parity_matrix: np.ndarray, lost: Sequence[int], rows: Sequence[int]) -> np.ndarray:
@@ -39,8 +45,8 @@ def decode_matrix(parity_matrix: np.ndarray, lost: Sequence[int], rows: Sequence
     """
     gone = set(lost)
     alive = [i for i in range(parity_matrix.shape[1]) if i not in gone]
-    a_inv = gf256.invert(parity_matrix[np.ix_(rows, lost)])
-    return np.concatenate([gf256.matmul(a_inv, parity_matrix[np.ix_(rows, alive)]), a_inv], axis=1)
+    a_inv = invert(parity_matrix[np.ix_(rows, lost)])
+    return np.concatenate([matmul(a_inv, parity_matrix[np.ix_(rows, alive)]), a_inv], axis=1)
 
 
 def _check_int(name: str, value: object) -> int:
@@ -65,12 +71,12 @@ class ReedSolomonCode:
             raise ConfigurationError(f"m={m}: the number of parity pages cannot be negative")
         if m > k:
             raise ConfigurationError(f"m={m} > k={k}: more parity than data pages is rejected (H > D); replicate instead")
-        if k + m > gf256.MAX_CODE_LENGTH:
+        if k + m > MAX_CODE_LENGTH:
             raise ConfigurationError(
-                f"k + m = {k + m} > {gf256.MAX_CODE_LENGTH}: GF(2^8) Reed-Solomon supports at most 255 pages"
+                f"k + m = {k + m} > {MAX_CODE_LENGTH}: GF(2^8) Reed-Solomon supports at most 255 pages"
             )
         self.k, self.m = k, m
-        self._matrix = gf256.cauchy_matrix(k, m)
+        self._matrix = cauchy_matrix(k, m)
         self._matrix.setflags(write=False)
         self._auto = engine == "auto"
         self.engine = get_engine(engine) if isinstance(engine, str) else engine
@@ -118,9 +124,9 @@ class ReedSolomonCode:
     # ----------------------------------------------------------------- encode
     def encode(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> None:
         """Overwrite ``parity`` with the parity of ``data`` (1..k pages)."""
-        if staging.crosses(data, parity):
+        if crosses(data, parity):
             self._check_counts(data, parity)
-            staging.encode(self, data, parity, self.engine)
+            staged_encode(self, data, parity, self.engine)
             return
         self._check_group(data, parity)
         if self.m:
@@ -131,8 +137,8 @@ class ReedSolomonCode:
         index = self._check_index(index)
         if len(parity) != self.m:
             raise ConfigurationError(f"got {len(parity)} parity pages; this code has m={self.m}")
-        if staging.crosses([src], parity):
-            staging.apply_contribution(self, index, src, parity, self.engine)
+        if crosses([src], parity):
+            staged_contribution(self, index, src, parity, self.engine)
         elif self.m:
             self._engine_for(src).mad(self._matrix[:, index], src, parity)
 
@@ -157,8 +163,8 @@ class ReedSolomonCode:
         Device pages with host parity take ``staging.apply_delta`` (``scratch`` unused there).
         """
         index = self._check_index(index)
-        if staging.crosses([old, new], parity):
-            staging.apply_delta(self, index, old, new, parity, self.engine)
+        if crosses([old, new], parity):
+            staged_delta(self, index, old, new, parity, self.engine)
             return
         check_pages([old, new, *parity] + ([scratch] if scratch is not None else []), what="delta pages")
         if not self.m:
@@ -194,9 +200,9 @@ class ReedSolomonCode:
         data pages are lost than parity pages survive; nothing is written then. Device pages
         with host parity are rebuilt on the host (``staging.reconstruct``).
         """
-        if staging.crosses(data, parity):
+        if crosses(data, parity):
             self._check_counts(data, parity)
-            staging.reconstruct(self, data, parity, lost_data, lost_parity)
+            staged_reconstruct(self, data, parity, lost_data, lost_parity)
             return
         self._check_group(data, parity)
         lost_d = self._check_positions(lost_data, len(data), "lost_data")
@@ -228,9 +234,9 @@ class ReedSolomonCode:
     # ----------------------------------------------------------------- verify
     def verify(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]:
         """Indices of parity pages that differ from a fresh encode of ``data``."""
-        if staging.crosses(data, parity):
+        if crosses(data, parity):
             self._check_counts(data, parity)
-            return staging.verify(self, data, parity)
+            return staged_verify(self, data, parity)
         self._check_group(data, parity)
         engine = self._engine_for(data[0])
         scratch = self._scratch(data[0]).view_as(data[0])

@@ -23,19 +23,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..errors import ConfigurationError
 from .engines import get_engine
 from .engines.base import ErasureEngine, check_pages
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .codec import ReedSolomonCode
-
 HOST = torch.device("cpu")
 _local = threading.local()
+
+
+class HostCode(Protocol):
+    """What this module needs of a code (``ReedSolomonCode`` is one): its coefficients and its
+    host-side rebuild and check. A protocol, so the codec calls down here and nothing here
+    imports the codec back."""
+
+    @property
+    def m(self) -> int: ...
+
+    @property
+    def matrix(self) -> np.ndarray: ...
+
+    def reconstruct(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+                    lost_data: Collection[int], lost_parity: Collection[int] = ()) -> None: ...
+
+    def verify(self, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]: ...
 
 
 def crosses(pages: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> bool:
@@ -74,7 +89,7 @@ def _check(pages: Sequence[torch.Tensor], parity: Sequence[torch.Tensor], what: 
     return n
 
 
-def apply_delta(code: ReedSolomonCode, index: int, old: torch.Tensor, new: torch.Tensor,
+def apply_delta(code: HostCode, index: int, old: torch.Tensor, new: torch.Tensor,
                 parity: Sequence[torch.Tensor], host_engine: ErasureEngine) -> None:
     """``parity_j ^= C[j, index] * (old ^ new)``: old and new on a device, parity on the host."""
     if len(parity) != code.m:
@@ -101,7 +116,7 @@ def apply_delta(code: ReedSolomonCode, index: int, old: torch.Tensor, new: torch
         host_engine.mad(coeffs, host, dsts)
 
 
-def apply_contribution(code: ReedSolomonCode, index: int, src: torch.Tensor,
+def apply_contribution(code: HostCode, index: int, src: torch.Tensor,
                        parity: Sequence[torch.Tensor], host_engine: ErasureEngine) -> None:
     """``parity_j ^= C[j, index] * src`` for a device page: one page crosses."""
     n = _check([src], parity, "contribution page")
@@ -112,7 +127,7 @@ def apply_contribution(code: ReedSolomonCode, index: int, src: torch.Tensor,
     host_engine.mad(code.matrix[:, index], host, [p.view(-1) for p in parity])
 
 
-def encode(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+def encode(code: HostCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
            host_engine: ErasureEngine) -> None:
     """Overwrite host ``parity`` with the parity of device ``data``."""
     n = _check(data, parity, "data pages")
@@ -128,7 +143,7 @@ def encode(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence
         host_engine.dot(matrix, [p.to(HOST) for p in data], list(parity))
 
 
-def reconstruct(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
+def reconstruct(code: HostCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor],
                 lost_data: Collection[int], lost_parity: Collection[int]) -> None:
     """Rebuild lost device pages from host parity: survivors to the host, rebuild, copy back.
 
@@ -142,7 +157,7 @@ def reconstruct(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Seq
         data[i].copy_(host[i])
 
 
-def verify(code: ReedSolomonCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]:
+def verify(code: HostCode, data: Sequence[torch.Tensor], parity: Sequence[torch.Tensor]) -> list[int]:
     """Indices of host parity pages that differ from a fresh encode of device ``data``."""
     _check(data, parity, "data pages")
     return code.verify([p.to(HOST) for p in data], parity)
