@@ -29,7 +29,8 @@ Making and opening a handle mirrors ``torch.multiprocessing.reductions``:
   allocator, so attaching a buffer twice reuses one mapping) and returns a non-resizable
   storage; the mapping closes with the last view.
 
-The manager process itself is ``cuda_server``. Tests without a GPU:
+The manager process itself is ``cuda_server``; what both sides share (the errors, the CUDA
+check, a device's UUID) is ``cuda_device``. Tests without a GPU:
 ``CudaStateManager.start(device="cpu")`` runs the same process, protocol and lifetime with POSIX
 shared-memory buffers standing in for device memory.
 """
@@ -46,36 +47,13 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigurationError, RetainedStateError, UsageError
+from ...errors import ConfigurationError, UsageError
 from ..shm import SharedSegment
+from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
 
 MANAGER_ENV = "LETO_CUDA_MANAGER"  # address of the manager new CUDA stores allocate from
 REQUEST_TIMEOUT = 300.0  # s: a multi-GiB allocation and its zero fill are not instant
 _SOCKET_MAX = 100  # AF_UNIX paths are limited to 107 bytes
-
-
-class CudaUnavailableError(ConfigurationError, RuntimeError):
-    """``backend="cuda"`` where torch cannot use a CUDA device."""
-
-
-class DeviceManagerError(RetainedStateError):
-    """The state manager cannot be reached, or failed."""
-
-
-def require_cuda() -> None:
-    """Raise CudaUnavailableError, saying what to do, unless torch can use a CUDA device."""
-    if torch.cuda.is_available():
-        return
-    if torch.version.cuda is None:
-        why = f"this torch build ({torch.__version__}) has no CUDA support"
-    else:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-        why = f"torch sees no CUDA device (driver not loaded? CUDA_VISIBLE_DEVICES={visible!r})"
-    raise CudaUnavailableError(
-        f"RetainedConfig(backend='cuda') needs a CUDA device, but {why}. Use RetainedConfig(backend='cpu') "
-        "(retained state in POSIX shared memory) on this machine, or run on a machine with an NVIDIA GPU "
-        "and a CUDA build of torch."
-    )
 
 
 def default_address(tag: str) -> str:
@@ -215,10 +193,6 @@ def stop_private(address: str) -> None:
 
 
 # -- opening a buffer in a trainer -------------------------------------------------------
-def gpu_uuid(device: int) -> str:
-    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
-
-
 def uint8_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor over ``storage``, built the way ``rebuild_cuda_tensor`` does."""
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..shm import SharedSegment
-from .cuda_ipc import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
+from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
 
 _IDLE_CLIENT = 30.0  # s a connected client may stay silent before the manager moves on
 
