@@ -3,6 +3,20 @@
 Training scripts use ``leto_lightning.runtime.init()`` (see ``session.py``).
 """
 
-from .session import ProtectedTraining, Session, init
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .session import ProtectedTraining, Session, init
 
 __all__ = ["ProtectedTraining", "Session", "init"]
+
+
+def __getattr__(name: str) -> Any:
+    """The session names load on first use, so that importing ``runtime.contract`` (a leaf
+    every layer may use) does not import the session, torch and the layers below."""
+    if name in __all__:
+        return getattr(importlib.import_module(".session", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
