@@ -19,13 +19,14 @@ import importlib
 import os
 import sys
 
+from .console import error
 from .errors import LetoError
 
 EXPECTED = (LetoError, ValueError, OSError)  # what the top level prints as one line
 
 _SUBCOMMANDS = {
     "cleanup": "leto_lightning.runtime.cleanup",
-    "demo": "leto_lightning.demo",
+    "demo": "leto_lightning.demos",
     "launch": "leto_lightning.runtime.launch",
     "simulate": "leto_lightning.sim.cli",
     "train": "leto_lightning.train",
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of expected errors too (or set LETO_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for name, module_name in _SUBCOMMANDS.items():
+    for module_name in _SUBCOMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a part not built yet must not break the others
@@ -70,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     except EXPECTED as exc:  # bad settings or environment: say which, without a traceback
         if debug:
             raise
-        print(f"leto {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        error(f"leto {args.command}: error: {one_line(exc)}")
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"leto {args.command}: interrupted", file=sys.stderr)
+        error(f"leto {args.command}: interrupted")
         return 130
 
 

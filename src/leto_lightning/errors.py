@@ -6,6 +6,8 @@
     +-- ConfigurationError (also ValueError)   a bad setting or argument: fix it and start again
     +-- UsageError (also RuntimeError)          the API was called out of order
     +-- LetoTimeoutError (also TimeoutError)    something did not happen in time
+    +-- MissingExtraError (also ImportError)    an optional dependency is not installed: the
+                                                message names the extra that installs it
     +-- RetainedStateError (also RuntimeError)  the retained state cannot be used: fall back to
         |                                       the last checkpoint (or a fresh start)
         +-- IncompleteStoreError                the store was never completely initialised and
@@ -42,6 +44,11 @@ class UsageError(LetoError, RuntimeError):
 
 class LetoTimeoutError(LetoError, TimeoutError):
     """A process or event did not arrive within its deadline."""
+
+
+class MissingExtraError(LetoError, ImportError):
+    """An optional dependency (plots, the demo's tables, Lightning, ...) is not installed; the
+    message names the ``pip install "leto-lightning[EXTRA]"`` that brings it (``extras.py``)."""
 
 
 class RetainedStateError(LetoError, RuntimeError):

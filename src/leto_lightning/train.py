@@ -3,17 +3,19 @@
 The recipe (``recipes/<name>.yaml`` or a path) is validated with its overrides, written
 resolved to ``RUN_DIR/recipe.yaml``, and the package's recipe training script runs on
 ``parallelism.dp`` CPU ranks with shadows. ``faults.hof_every=N`` injects a HOF every N
-iterations (``faults.hof_phase``: compute, update or random), each once shadows are ready.
+iterations (``faults.hof_phase``: compute, update or random), each once shadows are ready
+(``faults.plan.hof_faults``). A recipe this command cannot run is a ``ConfigurationError``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 
+from .console import notice
 from .errors import ConfigurationError
+from .faults.plan import hof_faults
 
 
 def add_parser(subparsers) -> None:
@@ -26,19 +28,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--trainer", choices=("lightning", "accelerate"), default="lightning",
                    help="the training loop: Trainer(strategy='leto') or LetoAccelerator (docs/accelerate.md)")
     p.set_defaults(func=run)
-
-
-def hof_faults(hof_every: int, phase: str, max_steps: int, ranks: int, seed: int) -> list[dict]:
-    """One SIGKILL every ``hof_every`` iterations, alternating ranks, at the chosen phase."""
-    rng = random.Random(seed)
-    points = {"compute": ["compute.begin"], "update": ["chunk.math_done", "chunk.tier1_partial"],
-              "random": ["compute.begin", "chunk.math_done", "chunk.tier1_partial", "record.half_written"]}[phase]
-    faults = []
-    for n, it in enumerate(range(hof_every, max_steps, hof_every) if hof_every else []):
-        point = rng.choice(points)
-        faults.append({"id": n, "rank": n % ranks, "iteration": it, "point": point, "occurrence": 1,
-                       "wait_shadows": True})
-    return faults
 
 
 def _load(load_recipe, name: str, overrides):
@@ -87,8 +76,9 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     par = recipe.active.parallelism
     _check_retained_settings(recipe.leto, par.dp)
     if par.tp != 1 or par.pp != 1:
-        raise SystemExit(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has tp={par.tp}, "
-                         f"pp={par.pp}; use size=tiny (or the simulator for full sizes: leto simulate --recipe {recipe.name})")
+        raise ConfigurationError(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has "
+                                 f"tp={par.tp}, pp={par.pp}; use size=tiny (or the simulator for full sizes: "
+                                 f"leto simulate --recipe {recipe.name})")
     run_dir = run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     usable_run_dir(run_dir)
     resolved = os.path.join(run_dir, "recipe.yaml")
@@ -99,6 +89,6 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
                                                                                                      [resolved])
     spec = LaunchSpec(script=script, args=script_args, nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
     config = RuntimeConfig(heartbeat_timeout=heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
-    print(f"[leto] training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
-          f"run dir {run_dir}", flush=True)
+    notice(f"training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
+           f"run dir {run_dir}")
     return Agent(spec, config, out=out)

@@ -47,7 +47,7 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300, result: 
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"leto launch did not finish in {timeout} s:\n{out[-5000:]}")
+        raise AssertionError(f"leto launch did not finish in {timeout} s:\n{out[-5000:]}") from None
     run = result(proc.returncode, out, run_dir, read_events(run_dir))
     left = leftovers(run)
     if left:

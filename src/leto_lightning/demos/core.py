@@ -1,6 +1,4 @@
-"""``leto demo``: end to end (demo_e2e.py) or, with ``--core``, the retained-state core alone.
-
-The core demo: the retained-state core on a small real model, with real failures.
+"""``leto demo --core``: the retained-state core on a small real model, with real failures.
 
 Two simulated devices train a small language model with AdamW on retained memory. The demo
 SIGKILLs a trainer half-way through an update, poisons pages, wipes a whole device, and
@@ -10,68 +8,23 @@ with ``torch.equal``.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="tiny OLMoE on 2 CPU ranks with HOFs injected, recovered in place, checked bit-identical",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--core", action="store_true",
-                   help="the retained-state core only (seconds): SIGKILL mid-update, poisoned pages, a lost device")
-    p.add_argument("--steps", type=int, default=40, help="end-to-end: training iterations")
-    p.add_argument("--hof-every", type=int, default=10, help="end-to-end: a HOF every N iterations")
-    p.add_argument("--run-dir", default=None, help="end-to-end: outputs (default: leto-runs/demo-<time>)")
-    p.add_argument("--optimizer", default="adamw", help="--core: adamw | adam_amsgrad | sgd_nesterov | ...")
-    p.add_argument("--seed", type=int, default=0, help="--core: seed of the model, data and fault choices")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    check_args(args)
-    if args.core:
-        return run_core(args)
-    import os
-    import time as _time
-
-    from .demo_e2e import run_demo
-    from .runtime.storage import usable_run_dir
-
-    run_dir = usable_run_dir(args.run_dir or os.path.join("leto-runs", f"demo-{_time.strftime('%Y%m%d-%H%M%S')}"))
-    return run_demo(args.steps, args.hof_every, run_dir)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse what would fail only after the fault-free reference run (minutes)."""
-    from .errors import ConfigurationError
-    from .testing.scenario import OPTIMIZERS
-
-    if args.core and args.optimizer not in OPTIMIZERS:
-        raise ConfigurationError(f"--optimizer {args.optimizer!r} is not one the core demo knows: choose one of "
-                                 f"{', '.join(sorted(OPTIMIZERS))}")
-    if args.steps < 2:
-        raise ConfigurationError(f"--steps {args.steps}: the demo needs at least 2 iterations")
-    if not 1 <= args.hof_every < args.steps:
-        raise ConfigurationError(f"--hof-every {args.hof_every}: a HOF every N iterations needs 1 <= N < --steps "
-                                 f"({args.steps})")
-
-
-def run_core(args: argparse.Namespace) -> int:
+def run_core(optimizer: str = "adamw", seed: int = 0) -> int:
+    """The core demo (``optimizer``: a name of ``testing.scenario.OPTIMIZERS``); 0 when every
+    recovery was bit-identical and the damage beyond parity was refused."""
     from rich.console import Console
 
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     console = Console()
-    demo = CoreDemo(args.optimizer, args.seed)
+    demo = CoreDemo(optimizer, seed)
     try:
         lay, cfg = demo.layout, demo.sc.config
-        console.print(f"[bold]model[/]: {sum(p.numel for p in lay.params):,} params, optimizer {args.optimizer}, "
+        console.print(f"[bold]model[/]: {sum(p.numel for p in lay.params):,} params, optimizer {optimizer}, "
                       f"2 devices; retained: {lay.describe()}; parity D={cfg.data_pages} "
                       f"H1={cfg.tier1_parity} H2={cfg.tier2_parity}")
         demo.train(2)
@@ -94,7 +47,7 @@ class CoreDemo:
     def __init__(self, optimizer: str, seed: int) -> None:
         from rich.table import Table
 
-        from .testing.scenario import CoreScenario
+        from ..testing.scenario import CoreScenario
 
         self.sc = CoreScenario(optimizer=optimizer, seed=seed)
         self.rng = random.Random(seed)
@@ -106,7 +59,7 @@ class CoreDemo:
             self.table.add_column(col)
 
     def stores(self) -> dict:
-        from .retained.store import RetainedStore
+        from ..retained.store import RetainedStore
 
         return {r: RetainedStore.attach(self.job.job_id, r) for r in range(self.sc.n_ranks)}
 
@@ -116,8 +69,8 @@ class CoreDemo:
                 self.job.step(r, it)
 
     def _recover_and_check(self, until: int) -> tuple[str, float, bool]:
-        from .testing.scenario import differences, run_step, snapshot
-        from .updater.recovery import recover_node
+        from ..testing.scenario import differences, run_step, snapshot
+        from ..updater.recovery import recover_node
 
         t0 = time.perf_counter()
         reports = recover_node(self.stores())
@@ -131,20 +84,20 @@ class CoreDemo:
         return _describe(reports), seconds, all(same)
 
     def _row(self, iteration: int, failure: str) -> None:
-        from .testing.crash import run_in_child
+        from ..testing.crash import run_in_child
 
         summaries, seconds, same = run_in_child(lambda: self._recover_and_check(iteration)).value
         self.table.add_row(str(iteration), failure, summaries, f"{seconds * 1e3:.1f} ms", _yes(same))
 
     def _shadow_step(self, rank: int, it: int) -> None:
-        from .testing.scenario import run_step
+        from ..testing.scenario import run_step
 
         model, ro = self.job.attach_trainer(rank)
         run_step(self.sc, model, ro, rank, it)
 
     def kill_mid_update(self, it: int) -> None:
         """SIGKILL half-way through the update of ``it`` on device 0 (parity half-updated)."""
-        from .testing.crash import KillPoint, run_in_child
+        from ..testing.crash import KillPoint, run_in_child
 
         chunk = self.rng.randrange(1, self.layout.n_chunks)
         assert run_in_child(lambda: self._shadow_step(0, it), kill_at=KillPoint("chunk.tier1_partial", chunk)).killed
@@ -169,8 +122,8 @@ class CoreDemo:
 
     def beyond_parity(self) -> bool:
         """More damage than parity covers: detected and reported, never used."""
-        from .updater.recovery import recover_node
-        from .updater.repair import UnrecoverableDamageError
+        from ..updater.recovery import recover_node
+        from ..updater.repair import UnrecoverableDamageError
 
         n = self.sc.config.tier1_parity + 1
         for p in self.job.stores[0].spec.tier1.groups[0][:n]:

@@ -30,7 +30,7 @@ class _RecoveryEcho(io.TextIOBase):
 def run_demo(steps: int, hof_every: int, run_dir: str) -> int:
     from rich.console import Console
 
-    from .train import build_agent
+    from ..train import build_agent
 
     console = Console()
     base = Path(run_dir)
@@ -56,7 +56,7 @@ def summarize(console, base: Path) -> int:
     import torch
     from rich.table import Table
 
-    from .runtime.events import read_events
+    from ..runtime.events import read_events
 
     events = read_events(base / "faulty")
     table = Table(title="recoveries: breakdown in seconds (fail/res: iterations)", box=None, show_edge=False,
@@ -116,7 +116,7 @@ def _plot(base: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(list(ref), list(ref.values()), label="fault-free", lw=3, alpha=0.5)
     ax.plot(list(faulty), list(faulty.values()), "--", label="with HOFs (Leto)", lw=1.5)
-    from .runtime.events import read_events
+    from ..runtime.events import read_events
 
     events = [e for e in read_events(base / "faulty") if e["event"] == "failure_detected"]
     for e in events:
