@@ -52,7 +52,10 @@ def test_override_warns_instead(monkeypatch, caplog) -> None:
 
 def test_installed_version_is_tested_and_pyproject_pins_the_same_range() -> None:
     check_lightning()  # this environment's Lightning is one the range covers
-    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
-    (pin,) = [Requirement(d) for d in deps if Requirement(d).name == "lightning"]
-    assert str(pin.specifier) == str(Requirement(f"lightning{versions.LIGHTNING_RANGE}").specifier)
-    assert versions.LOWEST_TESTED in pin.specifier and versions.HIGHEST_TESTED in pin.specifier
+    project = tomllib.loads(PYPROJECT.read_text())["project"]  # Lightning is an extra ([lightning], [demo], [test])
+    deps = [*project["dependencies"], *(d for extra in project["optional-dependencies"].values() for d in extra)]
+    pins = [Requirement(d) for d in deps if Requirement(d).name == "lightning"]
+    assert pins and "lightning" in project["optional-dependencies"]
+    for pin in pins:
+        assert str(pin.specifier) == str(Requirement(f"lightning{versions.LIGHTNING_RANGE}").specifier)
+        assert versions.LOWEST_TESTED in pin.specifier and versions.HIGHEST_TESTED in pin.specifier

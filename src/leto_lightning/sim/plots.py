@@ -15,7 +15,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
+except ModuleNotFoundError as exc:  # an extra: the simulator itself runs without matplotlib
+    raise ModuleNotFoundError('the simulator\'s figures need matplotlib: pip install "leto-lightning[sim]"',
+                              name=exc.name) from None
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
