@@ -1,7 +1,8 @@
 """Large-scale simulator: iteration time, failures, per-system recovery costs, interval tuning
 and ETTR of Leto and its baselines, up to 131,072 GPUs (``leto simulate``, docs/simulator.md).
 
-It models the runtime and imports nothing from the rest of ``leto_lightning``.
+It models the runtime and imports nothing from the rest of ``leto_lightning`` but the recipe
+schema (``leto_lightning.recipes``, a pure module shared with the trainer).
 
 Modules: ``hardware`` (profiles), ``workload`` (recipes, parameter counts), ``iteration``
 (iteration time, memory), ``failures`` (MTTF, HOF share, traces), ``startup`` (start-up and

@@ -179,7 +179,7 @@ def _compute_s(workload: Workload, hw: HardwareProfile) -> float:
     seconds = dense_flops / _gemm_eff(hw, min(widths))
     if m.n_experts:
         per_expert = p.ep * tokens_micro / p.tp * m.top_k / m.n_experts
-        seconds += expert_flops / _gemm_eff(hw, min(per_expert, m.d_model, m.expert_hidden))
+        seconds += expert_flops / _gemm_eff(hw, min(per_expert, m.d_model, m.expert_ffn_hidden))
     return seconds / (hw.peak_tflops * 1e12)
 
 
@@ -285,7 +285,7 @@ def _activation_bytes_per_layer(workload: Workload) -> float:
     m, p = workload.model, workload.parallel
     per_layer = ACT_BYTES_PER_SBH * workload.data.micro_batch * m.seq_len * m.d_model / p.tp
     if m.n_experts:   # gate/up/activation of the experts a token visits, per MoE layer
-        moe = workload.data.micro_batch * m.seq_len / p.tp * m.top_k * 3 * m.expert_hidden * BF16
+        moe = workload.data.micro_batch * m.seq_len / p.tp * m.top_k * 3 * m.expert_ffn_hidden * BF16
         per_layer += moe * m.n_moe_layers / m.n_layers
     return per_layer
 

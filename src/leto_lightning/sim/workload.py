@@ -3,11 +3,10 @@
 A workload comes from ``recipes/<name>.yaml`` (only ``<size>.model``, ``<size>.parallelism`` and
 ``<size>.data`` are read, with omegaconf) or from the built-in definitions below, which carry the
 same numbers as the recipes' ``full`` forms so the simulator works without the YAML files.
-Parameter counts follow the recipes' convention (``recipes/*.yaml`` header,
-``docs/models.md``): untied embedding and LM head counted in total and active; attention
-q/k/v/o with ``head_dim = d_model / n_heads`` (GQA through ``n_kv_heads``); SwiGLU FFNs
-(3 matrices); two RMSNorms per layer plus a final one; one router per MoE layer; layer ``i`` is
-MoE iff ``n_experts > 0 and i >= dense_layers and i % moe_every == 0``.
+Those three sections are the recipe schema of ``leto_lightning.recipes`` (one schema with the
+trainer: the same YAML gives the same model here and in ``leto train``), with its parameter
+counting convention; the simulator adds only virtual pipeline stages (``ParallelSpec.vpp``)
+and the workload as a whole (``Workload``: a name, its source, the checks across sections).
 
 Parallelism: GPUs = dp * tp * pp; ep splits the routed experts inside the dp*tp ranks of one
 pipeline stage (Megatron "MoE parallel folding", expert tensor parallelism 1).
@@ -18,152 +17,51 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 
+from leto_lightning.recipes import (
+    DataConfig,
+    ModelConfig,
+    ParallelismConfig,
+    ParamCounts,
+    parameter_counts,
+    recipes_dir,
+)
 from leto_lightning.sim.checks import fail, int_at_least, require
 
-_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
-               "expert_ffn_hidden", "n_experts", "top_k", "shared_experts", "moe_every",
-               "dense_layers", "seq_len")
+__all__ = ["BUILTIN_WORKLOADS", "DESIGN_PARAMS", "DataSpec", "ModelSpec", "ParallelSpec", "ParamCounts", "Workload",
+           "check_against_design", "count_parameters", "load_workload", "recipes_dir", "with_parallelism"]
+
+ModelSpec = ModelConfig  # the recipes' ``model:`` section, one schema with the trainer's
+DataSpec = DataConfig  # the recipes' ``data:`` section: sequences per iteration and per micro-batch
+count_parameters = parameter_counts  # by part (``ParamCounts``); ``total``/``active`` as the recipes count
+_MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
+# Without these a YAML form that is not a built-in's describes no workload (the schema's defaults
+# are a tiny model): refused as incomplete rather than simulated.
+_REQUIRED = {"model": ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "seq_len"),
+             "parallelism": ("dp",), "data": ("global_batch",)}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Transformer architecture (the recipes' ``model:`` schema)."""
+class ParallelSpec(ParallelismConfig):
+    """The recipes' ``parallelism:`` section plus the simulator's own virtual pipeline stages."""
 
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    ffn_hidden: int
-    seq_len: int
-    n_experts: int = 0
-    top_k: int = 0
-    shared_experts: int = 0
-    moe_every: int = 1
-    dense_layers: int = 0
-    n_kv_heads: int = 0          # 0: same as n_heads
-    expert_ffn_hidden: int = 0   # 0: same as ffn_hidden
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "moe_every"):
-            int_at_least(f"model.{key}", getattr(self, key), 1)
-        for key in ("ffn_hidden", "n_experts", "top_k", "shared_experts", "dense_layers",
-                    "n_kv_heads", "expert_ffn_hidden"):
-            int_at_least(f"model.{key}", getattr(self, key), 0)
-        require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
-                f"must divide d_model={self.d_model}")
-        require(self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
-                "model.n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads}")
-        if self.n_experts:
-            require(1 <= self.top_k <= self.n_experts, "model.top_k", self.top_k,
-                    f"must be in [1, n_experts={self.n_experts}] for a MoE model")
-            require(self.expert_hidden >= 1, "model.expert_ffn_hidden", self.expert_ffn_hidden,
-                    "must be >= 1 (or ffn_hidden >= 1) for a MoE model")
-        if self.n_moe_layers < self.n_layers:
-            require(self.ffn_hidden >= 1, "model.ffn_hidden", self.ffn_hidden,
-                    "must be >= 1: the model has dense FFN layers")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def expert_hidden(self) -> int:
-        return self.expert_ffn_hidden or self.ffn_hidden
-
-    def layer_is_moe(self, index: int) -> bool:
-        return self.n_experts > 0 and index >= self.dense_layers and index % self.moe_every == 0
-
-    @property
-    def n_moe_layers(self) -> int:
-        return sum(self.layer_is_moe(i) for i in range(self.n_layers))
-
-
-@dataclass(frozen=True)
-class ParallelSpec:
-    """Parallelism degrees (the recipes' ``parallelism:`` schema) plus virtual pipeline stages."""
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sharded_optimizer: bool = False
     vpp: int = 1   # interleaved (virtual) pipeline stages per rank; 1 = plain 1F1B
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "ep", "vpp"):
-            int_at_least(f"parallelism.{key}", getattr(self, key), 1)
-        require((self.dp * self.tp) % self.ep == 0, "parallelism.ep", self.ep,
-                f"must divide dp*tp={self.dp * self.tp} (EP lives inside the DP*TP group)")
+        super().__post_init__()
+        int_at_least("parallelism.vpp", self.vpp, 1)
 
     @property
     def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.world_size
 
     @property
     def edp(self) -> int:
         """Data-parallel degree of the expert weights (replicas of one expert shard)."""
         return self.dp * self.tp // self.ep
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Batch (the recipes' ``data:`` schema): sequences per iteration and per micro-batch."""
-
-    global_batch: int
-    micro_batch: int = 1
-
-    def __post_init__(self) -> None:
-        int_at_least("data.global_batch", self.global_batch, 1)
-        int_at_least("data.micro_batch", self.micro_batch, 1)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts by part; ``total``/``active`` match the recipes' convention."""
-
-    embedding: int      # input embedding + LM head + final norm
-    attention: int      # attention + its norms, all layers
-    dense_ffn: int      # dense FFN layers
-    shared: int         # shared experts + routers (dense-like, computed for every token)
-    routed: int         # all routed experts
-    routed_active: int  # routed experts one token uses (top_k per MoE layer)
-
-    @property
-    def non_expert(self) -> int:
-        """Weights sharded like a dense model (TP x PP)."""
-        return self.embedding + self.attention + self.dense_ffn + self.shared
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.routed
-
-    @property
-    def active(self) -> int:
-        return self.non_expert + self.routed_active
-
-
-def count_parameters(model: ModelSpec) -> ParamCounts:
-    """Analytic parameter counts (same rule as ``leto_lightning.models.config``)."""
-    d, hd = model.d_model, model.head_dim
-    attn = 2 * d * model.n_heads * hd + 2 * d * model.kv_heads * hd + 2 * d
-    expert = 3 * d * model.expert_hidden
-    moe = model.n_moe_layers
-    return ParamCounts(
-        embedding=2 * model.vocab_size * d + d,
-        attention=attn * model.n_layers,
-        dense_ffn=3 * d * model.ffn_hidden * (model.n_layers - moe),
-        shared=moe * (expert * model.shared_experts + d * model.n_experts),
-        routed=moe * expert * model.n_experts,
-        routed_active=moe * expert * model.top_k,
-    )
 
 
 @dataclass(frozen=True)
@@ -267,12 +165,6 @@ BUILTIN_WORKLOADS: dict[str, Workload] = {
 }
 
 
-def recipes_dir() -> Path:
-    """``$LETO_RECIPES_DIR`` if set, else ``recipes/`` at the project root (beside ``src/``)."""
-    env = os.environ.get("LETO_RECIPES_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "recipes"
-
-
 def _recipe_file(name_or_path: str) -> Path | None:
     direct = Path(name_or_path).expanduser()
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
@@ -313,6 +205,11 @@ def _from_yaml(path: Path, size: str, fallback: Workload | None) -> tuple[Worklo
                 notes.append(f"{path.name}: {size}.{part} lacks {', '.join(missing)}; "
                              "using the built-in values")
             parts[part] = {**defaults[part], **values}
+    else:
+        for part, keys in _REQUIRED.items():
+            missing = [k for k in keys if k not in parts[part]]
+            if missing:
+                fail("--recipe", str(path), f"{size} form is incomplete: {size}.{part} lacks {', '.join(missing)}")
     model = {k: v for k, v in parts["model"].items() if k in _MODEL_KEYS}
     par = {k: v for k, v in parts["parallelism"].items()
            if k in ("dp", "tp", "pp", "ep", "sharded_optimizer", "vpp")}
