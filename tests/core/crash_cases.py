@@ -81,13 +81,13 @@ def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: i
 
 def _prepared(job, rank: int, t: int) -> bool:
     entry = job.stores[rank].record.read()
-    return entry is not None and entry.payload["status"] in (PREPARED, COMMITTED) and entry.payload["iteration"] == t
+    return entry is not None and entry.progress.status in (PREPARED, COMMITTED) and entry.progress.iteration == t
 
 
 def _sealed(job, rank: int, t: int) -> bool:
     entry = job.stores[rank].record.read()
-    rec = entry.payload if entry is not None else None
-    return rec is not None and rec["status"] == COMMITTED and rec["iteration"] == t and not rec.get("open")
+    rec = entry.progress if entry is not None else None
+    return rec is not None and rec.status == COMMITTED and rec.iteration == t and not rec.open
 
 
 def _shadow_step(job, rank: int, t: int) -> None:

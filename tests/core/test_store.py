@@ -11,7 +11,7 @@ import torch
 from leto_lightning.faults.points import point
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.layout import build_layout
-from leto_lightning.retained.record import ProgressRecord
+from leto_lightning.retained.record import ProgressEntry, ProgressRecord, RecordStatus
 from leto_lightning.retained.shm import SHM_DIR, SharedSegment, list_segments, new_job_id, segment_name, unlink_segments
 from leto_lightning.testing.crash import KillPoint, run_in_child
 
@@ -39,25 +39,46 @@ def test_segments_are_private_and_survive_their_creator():
 def test_record_survives_a_torn_write():
     buf = torch.zeros(2 * 4096, dtype=torch.uint8)
     rec = ProgressRecord(buf, on_half_written=lambda: point("record.half_written"))
-    rec.write({"iteration": 1})
-    rec.write({"iteration": 2})
+    rec.write(ProgressEntry(RecordStatus.COMMITTED, 1))
+    rec.write(ProgressEntry(RecordStatus.COMMITTED, 2))
     shared = torch.zeros(2 * 4096, dtype=torch.uint8).share_memory_()
     shared.copy_(buf)
 
     def torn_write():
-        ProgressRecord(shared, on_half_written=lambda: point("record.half_written")).write({"iteration": 3, "x": "y" * 1000})
+        ProgressRecord(shared, on_half_written=lambda: point("record.half_written")).write(
+            ProgressEntry(RecordStatus.COMMITTED, 3, {"x": "y" * 1000}))
 
     assert run_in_child(torn_write, kill_at=KillPoint("record.half_written")).killed
     entry = ProgressRecord(shared).read()
-    assert entry.payload == {"iteration": 2}  # the newest intact entry, never the torn one
-    ProgressRecord(shared).write({"iteration": 3})
-    assert ProgressRecord(shared).read().payload == {"iteration": 3}
+    assert entry.progress == ProgressEntry(RecordStatus.COMMITTED, 2)  # the newest intact entry, never the torn one
+    ProgressRecord(shared).write(ProgressEntry(RecordStatus.PREPARED, 3, hparams=({"lr": 0.1},), skip_params=(1,)))
+    assert ProgressRecord(shared).read().progress == ProgressEntry(RecordStatus.PREPARED, 3, hparams=({"lr": 0.1},),
+                                                                   skip_params=(1,))
+
+
+def test_record_holds_progress_entries_only():
+    import pickle
+
+    from leto_lightning.errors import RecoveryError
+    from leto_lightning.retained import record as record_module
+
+    rec = ProgressRecord(torch.zeros(2 * 1024, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="ProgressEntry"):
+        rec.write([("status", "committed"), ("iteration", 1)])
+    rec.write(ProgressEntry(RecordStatus.COMMITTED, 1, {"rng": 7}, has_before=True, before=None))
+    assert rec.read().progress == ProgressEntry(RecordStatus.COMMITTED, 1, {"rng": 7}, has_before=True)
+    # A foreign writer's checksummed slot that is no progress entry: reported, never taken for one.
+    body = pickle.dumps({"status": "done", "iteration": 2})
+    head = record_module._HEADER.pack(record_module._MAGIC, 5, len(body), record_module._crc(5, len(body), body))
+    rec._slots[0][: len(head) + len(body)] = torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    with pytest.raises(RecoveryError, match="entry 5 is not a progress entry .status 'done'"):
+        rec.read()
 
 
 def test_record_rejects_oversized_payload():
     rec = ProgressRecord(torch.zeros(256, dtype=torch.uint8))
     with pytest.raises(ValueError, match="record_bytes"):
-        rec.write("x" * 1000)
+        rec.write(ProgressEntry(RecordStatus.COMMITTED, 0, "x" * 1000))
 
 
 @pytest.mark.parametrize("kwargs,needle", [

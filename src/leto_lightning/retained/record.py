@@ -9,6 +9,12 @@ good one. A slot is::
 
 ``seq`` grows by one per write; the reader takes the valid slot with the highest ``seq``. The
 checksum covers seq, length and payload, so a partial write never validates.
+
+What an entry says is a ``ProgressEntry`` (the phase, ``RecordStatus``, of one iteration and
+what resuming needs). This module alone turns it into bytes and back: on disk it is a plain
+dict of builtins (and the integration's resume payload), so reading needs no class of this
+package beyond what the payload itself names, and an entry that is not a valid progress entry
+is reported, never taken for one.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from __future__ import annotations
 import pickle
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError
+from ..errors import CHECKPOINT_ADVICE, ConfigurationError, RecoveryError
+
+__all__ = ["ProgressEntry", "ProgressRecord", "RecordEntry", "RecordStatus", "RecordTooLargeError", "read_all"]
 
 _MAGIC = 0x4C45544F52454344  # "LETORECD"
 _HEADER = struct.Struct("<QQQQ")
@@ -32,10 +41,113 @@ class RecordTooLargeError(ConfigurationError):
     """A progress-record payload does not fit its slot (raise ``record_bytes``)."""
 
 
-@dataclass
+class RecordStatus(str, Enum):
+    """Phase of the iteration a progress entry describes.
+
+    Transitions, all written by ``updater``: ``committed(t - 1) -> prepared(t)`` (the gradients
+    of t are final and protected), ``prepared(t) -> committed(t)`` (every chunk of t updated; or
+    recovery rolled t forward). Recovery may also write ``committed(t - 1)`` again after
+    ``prepared(t)`` (t aborted: a peer never prepared it) or after an open ``t`` (rolled back).
+    ``committed(t) -> committed(t)`` replaces the resume payload of the same iteration.
+    """
+
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+
+    def __str__(self) -> str:  # "prepared", as the on-disk form and messages spell it
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass(frozen=True)
+class ProgressEntry:
+    """What one progress-record entry says.
+
+    ``payload``: the integration's resume payload (loop state, RNG, data position...).
+    ``hparams`` / ``skip_params``: the update of a prepared iteration (what roll-forward redoes).
+    ``open``: rollback window, the iteration is not sealed yet (recovery rolls it back).
+    ``has_before`` / ``before``: rollback window, the sealed payload iteration ``iteration``
+    started from (what a rollback of it resumes from); ``has_before`` tells a ``None`` payload
+    from none kept.
+    """
+
+    status: RecordStatus
+    iteration: int
+    payload: Any = None
+    hparams: tuple[dict[str, Any], ...] = ()
+    skip_params: tuple[int, ...] = ()
+    open: bool = False
+    has_before: bool = False
+    before: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, RecordStatus):
+            raise ConfigurationError(f"ProgressEntry.status must be a RecordStatus, got {self.status!r}")
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int):
+            raise ConfigurationError(f"ProgressEntry.iteration must be an int, got {self.iteration!r}")
+
+    @property
+    def prepared(self) -> bool:
+        return self.status is RecordStatus.PREPARED
+
+    @property
+    def committed(self) -> bool:
+        return self.status is RecordStatus.COMMITTED
+
+
+def _to_wire(entry: ProgressEntry) -> dict[str, Any]:
+    """The on-disk form: a dict of builtins (the keys the record has always had)."""
+    wire: dict[str, Any] = {"status": entry.status.value, "iteration": entry.iteration, "payload": entry.payload}
+    if entry.prepared:
+        wire["hparams"] = [dict(h) for h in entry.hparams]
+        wire["skip_params"] = list(entry.skip_params)
+    if entry.open:
+        wire["open"] = True
+    if entry.has_before:
+        wire["before"] = entry.before
+    return wire
+
+
+def _from_wire(seq: int, wire: object) -> ProgressEntry:
+    """Read back what ``_to_wire`` wrote; anything else is reported (a checksummed slot holding
+    something that is not a progress entry: a bug or a foreign writer, never data to act on)."""
+
+    def bad(why: str) -> RecoveryError:
+        return RecoveryError(f"progress-record entry {seq} is not a progress entry ({why}). {CHECKPOINT_ADVICE}")
+
+    if not isinstance(wire, Mapping):
+        raise bad(f"a {type(wire).__name__}, not a dict")
+    try:
+        status = RecordStatus(wire.get("status"))
+    except ValueError:
+        raise bad(f"status {wire.get('status')!r}") from None
+    iteration = wire.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int):
+        raise bad(f"iteration {iteration!r}")
+    hparams, skip = wire.get("hparams", ()), wire.get("skip_params", ())
+    if status is RecordStatus.PREPARED and not (
+        isinstance(hparams, Sequence) and all(isinstance(h, Mapping) for h in hparams)
+        and isinstance(skip, Sequence) and all(isinstance(i, int) for i in skip)
+    ):
+        raise bad("a prepared entry without its hyper-parameters and skipped params")
+    return ProgressEntry(status, iteration, wire.get("payload"), tuple(dict(h) for h in hparams), tuple(skip),
+                         bool(wire.get("open", False)), "before" in wire, wire.get("before"))
+
+
+@dataclass(frozen=True)
 class RecordEntry:
+    """An intact entry as read back: its sequence number and what it says."""
+
     seq: int
-    payload: Any
+    progress: ProgressEntry
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """Transitional: the entry as the dict callers read before ``ProgressEntry`` existed.
+        Removed once every reader uses ``progress``."""
+        return _to_wire(self.progress)
 
 
 def _crc(seq: int, length: int, body: bytes) -> int:
@@ -71,9 +183,17 @@ class ProgressRecord:
                 best = entry
         return best
 
-    def write(self, payload: Any) -> int:
-        """Write ``payload`` as the next entry; returns its sequence number."""
-        body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    def write(self, entry: ProgressEntry | Mapping[str, Any]) -> int:
+        """Write ``entry`` as the next entry; returns its sequence number.
+
+        Transitional: a dict in the on-disk form (what callers wrote before ``ProgressEntry``
+        existed) is still taken, checked as a read would check it; removed once every writer
+        passes entries."""
+        if isinstance(entry, Mapping):
+            entry = _from_wire(-1, entry)
+        if not isinstance(entry, ProgressEntry):
+            raise ConfigurationError(f"the progress record holds ProgressEntry objects, got {type(entry).__name__}")
+        body = pickle.dumps(_to_wire(entry), protocol=pickle.HIGHEST_PROTOCOL)
         if len(body) > self.capacity:
             raise RecordTooLargeError(
                 f"progress record of {len(body)} B exceeds the slot capacity {self.capacity} B; raise record_bytes"
@@ -111,7 +231,7 @@ class ProgressRecord:
         body = bytes(slot[_HEADER.size : _HEADER.size + length].numpy())
         if _crc(seq, length, body) != crc:
             return None
-        return RecordEntry(seq, pickle.loads(body))
+        return RecordEntry(seq, _from_wire(seq, pickle.loads(body)))
 
 
 def read_all(record: ProgressRecord) -> list[RecordEntry]:

@@ -35,6 +35,7 @@ Only ``LetoError``s leave ``recover_node``: anything else is reported as a ``Rec
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,18 +45,18 @@ import torch
 from ..errors import CHECKPOINT_ADVICE, ConfigurationError, LetoError, RecoveryError, UnrecoverableDamageError
 from ..faults.points import point
 from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
-from ..retained.record import read_all
+from ..retained.record import ProgressEntry, RecordStatus, read_all
 from ..retained.spec import repair_spec
 from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
 from .repair import RepairReport, page_ok, repair, verify_parity
-from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
+from .transaction import COMMITTED, ChunkTransactions, ParityCodes
 from .whole_state import restore_whole, tail_crc
 
 
 @dataclass
 class RecoveryReport:
     rank: int
-    status_found: str | None = None  # progress record status as found
+    status_found: RecordStatus | None = None  # progress record status as found
     iteration_found: int | None = None
     restored: list[tuple[int, str]] = field(default_factory=list)  # (chunk, phase it was in)
     rolled_forward: list[int] = field(default_factory=list)
@@ -146,9 +147,9 @@ def restore_whole_checked(store: RetainedStore, meta: Metadata, header, what: st
     return pages
 
 
-def latest(store: RetainedStore) -> dict | None:
+def latest(store: RetainedStore) -> ProgressEntry | None:
     entries = read_all(store.record)
-    return entries[-1].payload if entries else None
+    return entries[-1].progress if entries else None
 
 
 def local_agreement(summary: dict[int, tuple | list | None]) -> tuple[int | None, bool, int | None]:
@@ -160,8 +161,8 @@ def local_agreement(summary: dict[int, tuple | list | None]) -> tuple[int | None
     return target, all(s is not None and s[1] == target for s in summary.values()), min(opened, default=None)
 
 
-def _summary(rec: dict | None) -> tuple | None:
-    return (rec["status"], rec["iteration"], bool(rec.get("open"))) if rec else None
+def _summary(rec: ProgressEntry | None) -> tuple | None:
+    return (rec.status.value, rec.iteration, rec.open) if rec else None
 
 
 def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None,
@@ -200,7 +201,7 @@ def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None
     t1 = time.perf_counter()
     records = {r: _latest_checked(s) for r, s in stores.items()}
     for r, rec in records.items():
-        reports[r].status_found, reports[r].iteration_found = rec["status"], rec["iteration"]
+        reports[r].status_found, reports[r].iteration_found = rec.status, rec.iteration
     include_grads = {r for r, rec in records.items() if _needs_grads(stores[r], rec)}
     lost_grads = [r for r in include_grads if not checked[r][1].grads_known]
     if lost_grads:
@@ -228,7 +229,7 @@ def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None
     return reports
 
 
-def _latest_checked(store: RetainedStore) -> dict:
+def _latest_checked(store: RetainedStore) -> ProgressEntry:
     """The newest intact progress record; a complete store always has one (set-up writes it)."""
     rec = latest(store)
     if rec is None:
@@ -237,34 +238,35 @@ def _latest_checked(store: RetainedStore) -> dict:
     return rec
 
 
-def _needs_grads(store: RetainedStore, rec: dict) -> bool:
+def _needs_grads(store: RetainedStore, rec: ProgressEntry) -> bool:
     """A prepared step still to be rolled forward (some chunk not yet at its new version) needs
     the retained gradients; once every chunk committed -- or the next iteration already began
     and is rewriting them -- it does not, and damage there is no reason to give up."""
-    if rec["status"] != PREPARED or rec.get("open"):
+    if not rec.prepared or rec.open:
         return False
-    return bool((store.versions() == rec["iteration"]).any())
+    return bool((store.versions() == rec.iteration).any())
 
 
 def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target: int | None,
                             everyone_reached: bool) -> None:
     for r, store in stores.items():
         rec, report = records[r], reports[r]
-        if (rec["status"] == PREPARED and everyone_reached and store.layout.family == "generic"
-                and not bool((store.versions() == rec["iteration"] + 1).all())):
+        if (rec.prepared and everyone_reached and store.layout.family == "generic"
+                and not bool((store.versions() == rec.iteration + 1).all())):
             report.pending_step = True  # needs the optimizer object: RetainedOptimizer.bind(adopt=True)
-            _check_versions(store, rec["iteration"])
-            report.committed_iteration = rec["iteration"]  # the step is re-run bit-identically on bind
-            report.payload = rec["payload"]
+            _check_versions(store, rec.iteration)
+            report.committed_iteration = rec.iteration  # the step is re-run bit-identically on bind
+            report.payload = rec.payload
             continue
-        if rec["status"] == PREPARED and everyone_reached:
+        if rec.prepared and everyone_reached:
             report.rolled_forward = roll_forward(store, rec, codes)
-        elif rec["status"] == PREPARED:
+            rec = dataclasses.replace(rec, status=COMMITTED)
+        elif rec.prepared:
             report.aborted = True
             rec = abort_prepared(store, rec)
-        _check_versions(store, rec["iteration"] + 1 if rec["status"] == COMMITTED else rec["iteration"])
-        report.committed_iteration = rec["iteration"] if rec["status"] == COMMITTED else rec["iteration"] - 1
-        report.payload = rec["payload"]
+        _check_versions(store, rec.iteration + 1 if rec.committed else rec.iteration)
+        report.committed_iteration = rec.iteration if rec.committed else rec.iteration - 1
+        report.payload = rec.payload
 
 
 def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]:
@@ -272,11 +274,11 @@ def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]
 
     The rank may be anywhere from "never prepared ``t``" to "sealed ``t`` and prepared
     ``t + 1``" (no further: ``t + 1``'s update waits for the open rank's prepare)."""
-    entries = [e.payload for e in read_all(store.record)]
-    if not entries or entries[-1]["iteration"] < t:  # never prepared t: already where the job resumes
+    entries = [e.progress for e in read_all(store.record)]
+    if not entries or entries[-1].iteration < t:  # never prepared t: already where the job resumes
         _check_versions(store, t)
-        latest = entries[-1] if entries else {"iteration": t - 1, "payload": None}
-        report.committed_iteration, report.payload = latest["iteration"], latest["payload"]
+        report.committed_iteration, report.payload = (entries[-1].iteration, entries[-1].payload) if entries \
+            else (t - 1, None)
         return []
     before = _payload_before(store, entries, t)
     pages: list[int] = []
@@ -290,44 +292,43 @@ def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]
                                 f"{version}. {CHECKPOINT_ADVICE}")
         pages = restore_whole_checked(store, meta, head, f"open iteration {t}")
     _check_versions(store, t)
-    store.record.write({"status": COMMITTED, "iteration": t - 1, "payload": before})
+    store.record.write(ProgressEntry(COMMITTED, t - 1, before))
     report.rolled_back = True
     report.committed_iteration, report.payload = t - 1, before
     return pages
 
 
-def _payload_before(store: RetainedStore, entries: list[dict], t: int) -> object:
+def _payload_before(store: RetainedStore, entries: list[ProgressEntry], t: int) -> object:
     """The payload a rank sealed before iteration ``t``: in ``t``'s open records, or kept as
     ``before`` in the records that sealed ``t``."""
     for rec in reversed(entries):
-        if rec["iteration"] == t and rec.get("open"):
-            return rec["payload"]
-        if rec["iteration"] == t and "before" in rec:
-            return rec["before"]
+        if rec.iteration == t and rec.open:
+            return rec.payload
+        if rec.iteration == t and rec.has_before:
+            return rec.before
     raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be rolled back but no record keeps the state "
                         "before it; resume from the last checkpoint")
 
 
-def roll_forward(store: RetainedStore, rec: dict, codes: ParityCodes) -> list[int]:
-    """Finish iteration ``rec['iteration']``: update the chunks still at its version, commit."""
-    t = rec["iteration"]
+def roll_forward(store: RetainedStore, rec: ProgressEntry, codes: ParityCodes) -> list[int]:
+    """Finish prepared iteration ``rec.iteration``: update the chunks still at its version, commit."""
+    t = rec.iteration
     versions = store.versions()
     pending = [c for c in range(store.layout.n_chunks) if int(versions[c]) == t]
     txn = ChunkTransactions(store, codes)
-    txn.update_chunks(t, rec["hparams"], rec["skip_params"], chunks=pending)
-    txn.commit(t, rec["payload"])
-    rec.update(status=COMMITTED)
+    txn.update_chunks(t, rec.hparams, rec.skip_params, chunks=pending)
+    txn.commit(t, rec.payload)
     return pending
 
 
-def abort_prepared(store: RetainedStore, rec: dict) -> dict:
+def abort_prepared(store: RetainedStore, rec: ProgressEntry) -> ProgressEntry:
     """Undo a prepare that not every rank reached: nothing of it may have committed."""
-    t = rec["iteration"]
+    t = rec.iteration
     if bool((store.versions() == t + 1).any()):
         raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be aborted (a peer never prepared it) but "
                             "chunks of it already committed: the prepare barrier was not respected")
-    earlier = [e.payload for e in read_all(store.record) if e.payload["status"] == COMMITTED]
-    previous = earlier[-1] if earlier else {"status": COMMITTED, "iteration": t - 1, "payload": None}
+    earlier = [e.progress for e in read_all(store.record) if e.progress.committed]
+    previous = earlier[-1] if earlier else ProgressEntry(COMMITTED, t - 1, None)
     store.record.write(previous)
     return previous
 

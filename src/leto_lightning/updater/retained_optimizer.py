@@ -11,6 +11,7 @@ protected by one whole-state transaction per step (``updater.whole_state``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,9 +27,10 @@ from ..errors import (
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
+from ..retained.record import ProgressEntry
 from ..retained.shm import new_job_id
 from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
-from .transaction import COMMITTED, PREPARED, ChunkTransactions, ParityCodes
+from .transaction import COMMITTED, ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
 __all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "layout_for", "optimizer_family"]
@@ -235,21 +237,21 @@ class RetainedOptimizer:
         if rec is None:
             raise UnrecoverableDamageError({}, [f"rank {self.store.spec.rank}: segment {self.store.spec.name('meta')}: "
                                                 "no intact progress record (both slots fail their checksums)."])
-        payload = rec.payload
-        if payload["status"] == PREPARED and self.layout.family == "generic":
-            self.txn.update_chunks(payload["iteration"], payload["hparams"], payload["skip_params"])
-            self.txn.commit(payload["iteration"], payload["payload"])
-            payload = dict(payload, status=COMMITTED)
-        if payload["status"] == PREPARED:
-            raise UsageError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is prepared but not "
-                               "committed; run updater.recovery.recover_node before binding a shadow")
-        if payload.get("open"):
-            raise UsageError(f"rank {self.store.spec.rank}: iteration {payload['iteration']} is still open (its "
-                               "batch never ended); run updater.recovery.recover_node before binding a shadow")
-        self.iteration = payload["iteration"] + 1
-        self.boundary_payload = payload["payload"]
+        entry = rec.progress
+        if entry.prepared and self.layout.family == "generic":
+            self.txn.update_chunks(entry.iteration, entry.hparams, entry.skip_params)
+            self.txn.commit(entry.iteration, entry.payload)
+            entry = dataclasses.replace(entry, status=COMMITTED)
+        if entry.prepared:
+            raise UsageError(f"rank {self.store.spec.rank}: iteration {entry.iteration} is prepared but not "
+                             "committed; run updater.recovery.recover_node before binding a shadow")
+        if entry.open:
+            raise UsageError(f"rank {self.store.spec.rank}: iteration {entry.iteration} is still open (its "
+                             "batch never ended); run updater.recovery.recover_node before binding a shadow")
+        self.iteration = entry.iteration + 1
+        self.boundary_payload = entry.payload
         self._open = self._has_before = False
-        return payload["payload"]
+        return entry.payload
 
     def _mark_received(self, index: int):
         def hook(_param: torch.Tensor) -> None:
@@ -296,13 +298,23 @@ class RetainedOptimizer:
         if not self.rollback_window:
             raise UsageError("seal() belongs to a rollback window (RetainedOptimizer(rollback_window=True))")
         point("seal.begin", iteration=self.iteration - 1)
-        record = {"status": COMMITTED, "iteration": self.iteration - 1, "payload": payload}
-        if self._has_before:  # what a rollback of this iteration resumes from (recovery.roll_back)
-            record["before"] = self._before
-        self.store.record.write(record)
+        # With has_before: what a rollback of this iteration resumes from (recovery.roll_back).
+        self.store.record.write(ProgressEntry(COMMITTED, self.iteration - 1, payload,
+                                              has_before=self._has_before,
+                                              before=self._before if self._has_before else None))
         point("seal.recorded", iteration=self.iteration - 1)
         self.boundary_payload = payload
         self._open = False
+
+    def record_committed(self, payload: object) -> None:
+        """Replace the resume payload of the last committed iteration (same iteration, newer
+        payload, e.g. at a batch or epoch boundary; the record's two slots keep the previous
+        entry until this write is complete). In a rollback window this seals the iteration
+        (``seal``): the batch's update is kept from here on."""
+        if self.rollback_window:
+            self.seal(payload)
+            return
+        self.store.record.write(ProgressEntry(COMMITTED, self.iteration - 1, payload))
 
     def _adopt_foreign_grads(self) -> None:
         """If something replaced ``p.grad`` (e.g. ``optimizer.zero_grad()`` set it to None and

@@ -29,6 +29,7 @@ from ..protection.checksum import checksum
 from ..protection.codec import ReedSolomonCode
 from ..retained.integrity import Metadata
 from ..retained.layout import GRAD
+from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.store import (
     CHECKSUMMED,
     IDLE,
@@ -41,8 +42,8 @@ from ..retained.store import (
 )
 from .chunk_math import ChunkPieces, apply_update
 
-PREPARED = "prepared"
-COMMITTED = "committed"
+PREPARED = RecordStatus.PREPARED  # the names this module always exported
+COMMITTED = RecordStatus.COMMITTED
 
 
 def to_i64(value: int) -> int:
@@ -111,16 +112,9 @@ class ChunkTransactions:
         point("prepare.begin", iteration=iteration)
         self.protect_grads()
         point("prepare.grads_protected", iteration=iteration)
-        record = {
-            "status": PREPARED,
-            "iteration": iteration,
-            "hparams": [dict(h) for h in hparams],
-            "skip_params": sorted(int(i) for i in skip_params),
-            "payload": payload,
-        }
-        if self.open_records:
-            record["open"] = True
-        self.store.record.write(record)
+        self.store.record.write(ProgressEntry(
+            PREPARED, iteration, payload, hparams=tuple(dict(h) for h in hparams),
+            skip_params=tuple(sorted(int(i) for i in skip_params)), open=self.open_records))
         point("prepare.recorded", iteration=iteration)
 
     def update_chunks(self, iteration: int, hparams: Sequence[dict], skip_params: Sequence[int] = (),
@@ -134,10 +128,7 @@ class ChunkTransactions:
 
     def commit(self, iteration: int, payload: object) -> None:
         point("commit.begin", iteration=iteration)
-        record = {"status": COMMITTED, "iteration": iteration, "payload": payload}
-        if self.open_records:
-            record["open"] = True
-        self.store.record.write(record)
+        self.store.record.write(ProgressEntry(COMMITTED, iteration, payload, open=self.open_records))
         point("commit.recorded", iteration=iteration)
 
     # -- gradients -----------------------------------------------------------------------
