@@ -6,6 +6,8 @@
     +-- ConfigurationError (also ValueError)   a bad setting or argument: fix it and start again
     +-- UsageError (also RuntimeError)          the API was called out of order
     +-- LetoTimeoutError (also TimeoutError)    something did not happen in time
+    +-- InternalError (also RuntimeError)       a bug in leto-lightning (a broken invariant, e.g. an
+    |                                           illegal state transition): report it, never fall back
     +-- MissingExtraError (also ImportError)    an optional dependency is not installed: the
                                                 message names the extra that installs it
     +-- RetainedStateError (also RuntimeError)  the retained state cannot be used: fall back to
@@ -49,6 +51,11 @@ class LetoTimeoutError(LetoError, TimeoutError):
 class MissingExtraError(LetoError, ImportError):
     """An optional dependency (plots, the demo's tables, Lightning, ...) is not installed; the
     message names the ``pip install "leto-lightning[EXTRA]"`` that brings it (``extras.py``)."""
+
+
+class InternalError(LetoError, RuntimeError):
+    """A bug in leto-lightning: an invariant broke (e.g. an illegal state transition). Never
+    caught as "fall back to the checkpoint": it must surface."""
 
 
 class RetainedStateError(LetoError, RuntimeError):

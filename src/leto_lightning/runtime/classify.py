@@ -12,6 +12,7 @@ import signal as _signal
 from dataclasses import dataclass, field
 
 from .config import ClassificationRule, RuntimeConfig
+from .messages import Verdict
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Failure:
     phase: str | None = None
     detected_at: float = 0.0
     last_heartbeat: float | None = None
-    remote_verdict: dict | None = None  # set when another node's agent classified it
+    remote_verdict: Verdict | None = None  # set when another node's agent classified it
 
     def describe(self) -> str:
         if self.hang:

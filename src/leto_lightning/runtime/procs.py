@@ -20,7 +20,7 @@ class TrainerProcess:
     local_rank: int
     role: str  # "active" or "shadow"
     generation: int
-    shadow_set: int
+    shadow_set: str  # "<generation>-<replacement>" of a shadow's set ("" for an active trainer's start)
     popen: subprocess.Popen
     started_at: float = field(default_factory=time.time)
     _pump: threading.Thread | None = None
@@ -62,7 +62,7 @@ class TrainerProcess:
 
 
 def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: str, generation: int,
-          shadow_set: int, out=None) -> TrainerProcess:
+          shadow_set: str, out=None) -> TrainerProcess:
     """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
     popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)

@@ -22,11 +22,19 @@ import enum
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from ..errors import ConfigurationError
 from . import keys
+from .config import RuntimeConfig
+from .control import SignedStore
+from .coordination import JobIdentity
+from .events import EventLog
 from .memory import MemoryBudget, MemoryProbe, MemorySample, parse_size
+from .spec import LaunchSpec
+from .trainers import Trainers
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +113,11 @@ class ReclaimPolicy:
         self._free_since: float | None = None
         self.footprint: dict[ShadowLevel, int] = {}  # bytes a ready shadow set held at each level
 
+    @classmethod
+    def for_launch(cls, config: ReclaimConfig, runtime: RuntimeConfig) -> ReclaimPolicy:
+        """Starting at the launch's --shadow-level (NONE with --no-shadows), now."""
+        return cls(config, ShadowLevel(runtime.shadow_level if runtime.shadows else 0), time.time())
+
     def observe_shadow(self, level: ShadowLevel, nbytes: int) -> None:
         """What a ready shadow set at ``level`` holds (used to check that a promotion would fit)."""
         self.footprint[level] = nbytes
@@ -136,19 +149,24 @@ class ReclaimPolicy:
         return change
 
 
+def check_supported(spec: LaunchSpec) -> None:
+    """The memory policy runs for single-node ``leto launch`` jobs only (refused before anything starts)."""
+    if spec.nnodes > 1 or spec.trainer_layout is not None:
+        raise ConfigurationError("--memory-budget / memory reclaim: only single-node `leto launch` jobs so far "
+                                 f"(this one has --nnodes {spec.nnodes}); drop the option for multi-node jobs")
+
+
 class ShadowReclaimer:
     """The agent's side: samples in the watch loop, replaces the shadow set on a level change,
-    records every change (``shadow_level_changed``) and a job over its budget (``memory_over_budget``)."""
+    records every change (``shadow_level_changed``) and a job over its budget (``memory_over_budget``).
+    ``busy()``: a recovery owns the shadow set now (nothing changes then)."""
 
-    def __init__(self, agent, config: ReclaimConfig) -> None:
-        spec = agent.spec
-        if spec.nnodes > 1 or spec.trainer_layout is not None:
-            raise ConfigurationError("--memory-budget / memory reclaim: only single-node `leto launch` jobs so far "
-                                     f"(this one has --nnodes {spec.nnodes}); drop the option for multi-node jobs")
-        self.agent, self.config = agent, config
-        self.policy = ReclaimPolicy(config, ShadowLevel(agent.config.shadow_level if agent.config.shadows else 0),
-                                    time.time())
-        self.probe = MemoryProbe(config.budget, self._pids, lambda: agent.all_job_ids)
+    def __init__(self, config: ReclaimConfig, policy: ReclaimPolicy, trainers: Trainers, job: JobIdentity,
+                 store: SignedStore, events: EventLog, out: TextIO, busy: Callable[[], bool]) -> None:
+        self.config, self.policy = config, policy
+        self.trainers, self.job, self.store, self.events, self.out = trainers, job, store, events, out
+        self._busy = busy
+        self.probe = MemoryProbe(config.budget, trainers.running_pids, lambda: job.all_job_ids)
         self._next_sample = 0.0
         self._over = False
         self.last: MemorySample | None = None
@@ -157,14 +175,10 @@ class ShadowReclaimer:
     def level(self) -> ShadowLevel:
         return self.policy.level
 
-    def _pids(self) -> list[int]:
-        a = self.agent
-        return [p.pid for p in (*a.actives.values(), *a.shadows.values()) if p.poll() is None]
-
     def figures(self, sample: MemorySample) -> dict:
-        a = self.agent
-        return sample.figures({"active": [p.pid for p in a.actives.values()],
-                               "shadow": [p.pid for p in a.shadows.values()]})
+        t = self.trainers
+        return sample.figures({"active": [p.pid for p in t.actives.values()],
+                               "shadow": [p.pid for p in t.shadows.values()]})
 
     def poll(self) -> None:
         """Called once per watch-loop pass; samples at most every ``sample_interval``."""
@@ -172,13 +186,13 @@ class ShadowReclaimer:
         if now < self._next_sample:
             return
         self._next_sample = now + self.config.sample_interval
-        a = self.agent
+        t = self.trainers
         sample = self.last = self.probe.sample()
         self._report_budget(sample)
-        if not self.config.enabled or a.pending_recovery is not None or a._shadows_due:
+        if not self.config.enabled or self._busy():
             return  # a recovery in progress owns the shadow set
-        if a.shadows and a.store.get(keys.SHADOWS_READY).decode() == a.shadow_set:
-            self.policy.observe_shadow(self.level, sum(sample.processes.get(p.pid, 0) for p in a.shadows.values()))
+        if t.shadows and self.store.get(keys.SHADOWS_READY).decode() == t.shadow_set:
+            self.policy.observe_shadow(self.level, sum(sample.processes.get(p.pid, 0) for p in t.shadows.values()))
         change = self.policy.decide(sample, now)
         if change is not None:
             self._apply(change, sample)
@@ -186,30 +200,28 @@ class ShadowReclaimer:
     def _report_budget(self, sample: MemorySample) -> None:
         over = sample.tightest_free < 0
         if over and not self._over:
-            self.agent.events.emit("memory_over_budget", self.agent.generation, level=int(self.level),
-                                   reclaim=self.config.enabled, **self.figures(sample))
+            self.events.emit("memory_over_budget", self.job.generation, level=int(self.level),
+                             reclaim=self.config.enabled, **self.figures(sample))
             log.warning("job over its memory budget: %s", self.figures(sample))
             print(f"[leto] warning: memory over the limit ({sample.source}): {sample.used >> 20} MiB used of "
-                  f"{sample.limit >> 20} MiB", file=self.agent.out, flush=True)
+                  f"{sample.limit >> 20} MiB", file=self.out, flush=True)
         self._over = over
 
     def _apply(self, change: LevelChange, sample: MemorySample) -> None:
-        a = self.agent
+        t = self.trainers
         figures = self.figures(sample)  # with the shadows that are replaced
-        count = a.store.add(keys.SHADOW_REPLACE.format(gen=a.generation), 1)
-        a._replacements_seen = count  # our own replacement: _watch_shadows must not redo it
-        a._kill(a.shadows)
-        a.shadows = {}
-        a.store.set(keys.SHADOWS_READY, "")
-        a.events.emit("shadow_level_changed", a.generation, old=int(change.old), new=int(change.new),
-                      reason=change.reason, **figures)
+        count = t.claim_replacement()  # our own replacement: watch_shadows must not redo it
+        t.stop_shadows()
+        self.store.set(keys.SHADOWS_READY, "")
+        self.events.emit("shadow_level_changed", self.job.generation, old=int(change.old), new=int(change.new),
+                         reason=change.reason, **figures)
         if change.new == ShadowLevel.NONE:
             print(f"[leto] memory: running WITHOUT a shadow ({change.reason}): a failure now means a cold start",
-                  file=a.out, flush=True)
+                  file=self.out, flush=True)
             return
         print(f"[leto] memory: shadow level L{int(change.old)} -> L{int(change.new)} ({change.reason})",
-              file=a.out, flush=True)
-        a._start_shadows(replacement=count)
+              file=self.out, flush=True)
+        t.start_shadows(replacement=count)
 
     def close(self) -> None:
         self.probe.close()

@@ -1,0 +1,113 @@
+"""What the parts of one agent share: the stop flag, the job's identity, the nodes' lockstep.
+
+- ``StopFlag``: a stop request (SIGINT/SIGTERM to the launcher); every wait of the agent polls
+  it, so a stop wins over any step (a recovery included) within about a poll interval.
+- ``JobIdentity``: the retained-memory job id and the generation (Leto's restart count) the
+  agent runs now; only ``Recovery`` advances them.
+- ``NodeLockstep``: the points where the agents of a multi-node job wait for each other
+  through the job's store (a recovery's steps, the end of the job, per-rank job ids).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import keys
+from .control import SignedStore
+from .phases import JobInterrupted, JobStopped
+from .spec import LaunchSpec
+
+
+class StopFlag:
+    """Set by the signal handler; ``check`` raises ``JobInterrupted`` once it is set."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._signum: int | None = None
+
+    def request(self, signum: int) -> None:
+        self._signum = signum
+        self._event.set()
+
+    def check(self) -> None:
+        """A stop request wins over any step of the job (recovery included): called by every wait."""
+        if self._event.is_set():
+            raise JobInterrupted(self._signum or signal.SIGTERM)
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; returns at once when a stop is requested."""
+        self._event.wait(seconds)
+
+
+@dataclass
+class JobIdentity:
+    """The retained-memory job id and generation of this agent's job now."""
+
+    job_id: str
+    generation: int = 0
+    all_job_ids: list[str] = field(default_factory=list)  # every id used: shutdown frees them all
+
+    def __post_init__(self) -> None:
+        self.all_job_ids = [self.job_id]
+
+    def agreed(self, job_id: str) -> None:
+        """The id every agent agreed on at start (replaces the one drawn locally)."""
+        self.job_id = job_id
+        self.all_job_ids = [job_id]
+
+    def next_generation(self) -> int:
+        self.generation += 1
+        return self.generation
+
+    def replace_job_id(self, job_id: str) -> None:
+        """A checkpoint restart: new retained memory under a new id."""
+        self.job_id = job_id
+        self.all_job_ids.append(job_id)
+
+
+class NodeLockstep:
+    """The job's node agents waiting for each other through the store."""
+
+    def __init__(self, store: SignedStore, spec: LaunchSpec, job: JobIdentity, stop: StopFlag,
+                 timeout_s: float, poll_s: float) -> None:
+        self.store, self.spec, self.job, self.stop = store, spec, job, stop
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def wait_keys(self, names: list[str], what: str) -> None:
+        """Wait (at most the start-up timeout) until the store has ``names``; a stop request ends it."""
+        deadline = time.time() + self.timeout_s
+        while not self.store.check(names):
+            self.stop.check()
+            if time.time() > deadline:
+                raise JobStopped(f"waited {self.timeout_s:.0f} s for {what} (--startup-timeout); "
+                                 "is another node's agent gone?")
+            self.stop.wait(self.poll_s)
+
+    def sync(self, step: str, value: Any) -> list[Any]:
+        """Lockstep point of a recovery across the job's node agents; returns every node's value."""
+        gen, nodes = self.job.generation, range(self.spec.nnodes)
+        self.store.set(keys.NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(value))
+        names = [keys.NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
+        self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
+        return [json.loads(self.store.get(k)) for k in names]
+
+    def shared_job_id(self, mine: str) -> str:
+        """Per-rank agents agree on one retained-memory job id per start (first writer wins):
+        the trainers of a node's ranks attach each other's stores for tier-2 parity."""
+        if self.spec.trainer_layout is None:
+            return mine
+        got = self.store.compare_set(keys.JOB_ID.format(gen=self.job.generation), "", mine)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    def wait_other_nodes_done(self) -> None:
+        """Node 0 hosts the store: it stays up until every node's trainers finished."""
+        if self.spec.nnodes == 1:
+            return
+        self.store.set(f"done/{self.spec.node_rank}", "1")
+        if self.spec.node_rank == 0:
+            self.wait_keys([f"done/{n}" for n in range(self.spec.nnodes)], "every node's trainers to finish")

@@ -1,0 +1,114 @@
+"""The typed messages the agents and trainers exchange through the job's store (``keys.py``).
+
+Each type has one writer (``to_json``; ``to_dict`` for a value inside a lockstep step) and one
+reader (``from_json`` / ``from_dict``); the store holds the JSON.
+
+- ``Heartbeat``    trainer -> agent (``keys.HEARTBEAT``): progress of an active trainer
+- ``ResumeInfo``   trainer -> agent (``keys.RESUMED``): a trainer resumed after a recovery
+- ``Verdict``      agent -> agents (``keys.FAILURE``): the job-wide classification of a failure
+- ``NodeSummary``  agent -> agents (``keys.NODE_STEP``, step ``summary``): each rank's progress
+  record as this node found it (``RankProgress``), or why this node could not repair its stores
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import InternalError
+
+
+def _fields(raw: bytes | str, what: str) -> dict[str, Any]:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise InternalError(f"{what}: expected a JSON object in the store, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    t: float  # when the trainer sent it (Unix seconds)
+    it: int  # the iteration it is in
+    phase: str  # "compute", "update" or "done"
+    pid: int
+    gen: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Heartbeat | None:
+        """None for the empty value the agent writes before a trainer's first heartbeat."""
+        return cls(**_fields(raw, "heartbeat")) if raw else None
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    init_s: float  # what the promoted trainer still had to build after its promotion
+    resume_s: float  # re-binding to retained state and restoring the loop position
+    iteration: int  # where it resumes
+    t: float  # when it resumed (Unix seconds)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ResumeInfo:
+        return cls(**_fields(raw, "resume info"))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The job-wide decision on one generation's failure: the first node to publish decides."""
+
+    rank: int
+    hof: bool
+    reason: str
+    device: str  # where the device's health came from (NVML, or a CPU job)
+    node: int  # the node that classified it
+    stop: bool = False  # no restart can help: stop the job
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Verdict:
+        return cls(**_fields(raw, "failure verdict"))
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's progress record as recovery found it (before rolling forward)."""
+
+    status: str
+    iteration: int
+    open: bool = False  # inside a rollback window
+
+    @classmethod
+    def of(cls, summary: tuple | list | None) -> RankProgress | None:
+        """From the updater's ``(status, iteration, open)`` (None: no record)."""
+        if summary is None:
+            return None
+        return cls(str(summary[0]), int(summary[1]), bool(summary[2]) if len(summary) > 2 else False)
+
+    def as_tuple(self) -> tuple[str, int, bool]:
+        return self.status, self.iteration, self.open
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    """What one node's agent found in its stores; ``failed`` says why it could not look."""
+
+    node: int
+    ranks: tuple[tuple[int, RankProgress | None], ...] = ()
+    failed: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        ranks = {str(r): (None if p is None else list(p.as_tuple())) for r, p in self.ranks}
+        return {"node": self.node, "ranks": ranks, "failed": self.failed}
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> NodeSummary:
+        ranks = tuple((int(r), RankProgress.of(p)) for r, p in value["ranks"].items())
+        return cls(int(value["node"]), ranks, value.get("failed"))

@@ -1,0 +1,181 @@
+"""The trainer processes of one agent: the active trainers and their shadows, by rank.
+
+``Trainers`` starts them (environment, output prefix, event), stops them (SIGKILL by pid),
+promotes a ready shadow set, replaces a shadow set one of whose members died (on every node:
+the set is one process group), and publishes when the whole shadow set is ready. It owns the
+``actives`` / ``shadows`` maps, the shadow set's name and the heartbeats seen per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Mapping
+from typing import TextIO
+
+from . import auth, keys, worker_env
+from .config import RuntimeConfig
+from .control import SignedStore
+from .coordination import JobIdentity, StopFlag
+from .events import EventLog
+from .procs import TrainerProcess, process_state, spawn
+from .spec import LaunchSpec
+
+
+class Trainers:
+    def __init__(self, spec: LaunchSpec, config: RuntimeConfig, job: JobIdentity, store: SignedStore,
+                 events: EventLog, out: TextIO, stop: StopFlag, secret: bytes, port: int,
+                 thread_defaults: Mapping[str, str], level: Callable[[], int]) -> None:
+        self.spec, self.config, self.job, self.store = spec, config, job, store
+        self.events, self.out, self.stop = events, out, stop
+        self._secret, self._port, self._thread_defaults = secret, port, dict(thread_defaults)
+        self._level = level  # the level new shadows start at: the memory policy's when it runs
+        self.actives: dict[int, TrainerProcess] = {}
+        self.shadows: dict[int, TrainerProcess] = {}
+        self.shadow_set = ""  # "<generation>-<k>": derived from job-wide events, so equal on all nodes
+        self.replacements_seen = 0
+        self.heartbeats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it changed)
+
+    @property
+    def shadow_level(self) -> int:
+        return self._level()
+
+    # -- starting ------------------------------------------------------------------------------
+    def environment(self, local_rank: int, role: str, resume: str) -> dict[str, str]:
+        s = self.spec
+        rank = s.node_rank * s.nproc_per_node + local_rank
+        env = dict(os.environ)
+        env.update(self._thread_defaults)
+        # per-rank supervision: the real layout (Lightning computes ranks from it)
+        local, size, node = s.trainer_layout or (local_rank, s.nproc_per_node, s.node_rank)
+        env.update(worker_env.torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self._port))
+        env.update(
+            LETO_NODE_RANK=str(node), LETO_ROLE=role, LETO_JOB_ID=self.job.job_id,
+            LETO_RUN_DIR=os.path.abspath(s.run_dir), LETO_GENERATION=str(self.job.generation),
+            LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.shadow_level), LETO_RESUME=resume,
+            LETO_FAULTS=json.dumps(self.pending_faults()),
+        )
+        env[auth.CHILD_ENV] = self._secret.hex()  # the trainers' copy of the job's secret: their environment only
+        env["LETO_EVENTS"] = str(self.events.path.absolute())
+        env.pop("LETO_STORE_PREFIX", None)
+        if s.store_prefix:
+            env["LETO_STORE_PREFIX"] = s.store_prefix
+        return env
+
+    def pending_faults(self) -> list[dict]:
+        return [f for f in self.spec.faults if not self.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
+
+    def _spawn(self, local_rank: int, role: str, resume: str) -> TrainerProcess:
+        self.stop.check()  # nothing new starts once a stop was requested
+        env = self.environment(local_rank, role, resume)
+        gen = self.job.generation
+        proc = spawn([self.spec.python, self.spec.script, *self.spec.args], env, int(env["RANK"]), local_rank, role,
+                     gen, self.shadow_set, self.out)
+        self.events.emit("process_started", gen, rank=proc.rank, role=role, pid=proc.pid,
+                         shadow_set=self.shadow_set if role == "shadow" else None, resume=resume or None)
+        return proc
+
+    def reset_heartbeats(self) -> None:
+        """New trainers for every local rank: no heartbeat of an old one counts for them."""
+        for rank in self.spec.local_ranks:
+            self.store.set(keys.HEARTBEAT.format(rank=rank), "")
+        self.heartbeats.clear()
+
+    def start_actives(self, resume: str) -> None:
+        self.reset_heartbeats()
+        procs = (self._spawn(lr, "active", resume) for lr in range(self.spec.nproc_per_node))
+        self.actives = {p.rank: p for p in procs}
+
+    def start_shadows(self, replacement: int = 0) -> None:
+        self.store.set(keys.SHADOWS_READY, "")
+        if not self.config.shadows or not self.shadow_level:  # level 0: memory reclaim runs without one
+            return
+        self.shadow_set = f"{self.job.generation}-{replacement}"
+        self.replacements_seen = replacement
+        self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
+        self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set, level=self.shadow_level,
+                         reason="started")
+
+    # -- shadows ---------------------------------------------------------------------------------
+    def publish_shadow_readiness(self) -> None:
+        ranks = range(self.spec.world_size)  # a shadow set is one process group across all nodes
+        if self.shadows and not self.store.get(keys.SHADOWS_READY) and all(
+                self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
+            self.store.set(keys.SHADOWS_READY, str(self.shadow_set))
+            self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set,
+                             level=self.shadow_level, reason="ready")
+
+    def shadows_promotable(self) -> bool:
+        """This node's shadow set is alive, not stopped and ready (a stopped (SIGSTOP) shadow
+        would only hang: start cold instead)."""
+        return bool(self.shadows) and all(
+            p.poll() is None and not stopped(p.pid)
+            and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
+            for r, p in self.shadows.items())
+
+    def promote_shadows(self) -> None:
+        """The shadow set becomes the active trainers of the current generation."""
+        self.store.set(keys.PROMOTE.format(sgen=self.shadow_set), json.dumps({"generation": self.job.generation}))
+        for p in self.shadows.values():
+            p.role, p.generation = "active", self.job.generation
+        self.actives, self.shadows = self.shadows, {}
+
+    def watch_shadows(self) -> None:
+        """A shadow that died while waiting is replaced -- with its whole set, on every node:
+        the set is one process group. The replacement counter in the store keeps nodes in step."""
+        self.stop.check()  # shadows that died of the process group's SIGTERM are not replaced
+        dead = [p for p in self.shadows.values() if p.poll() is not None]
+        for p in dead:
+            code, sig = p.exit_status()
+            self.events.emit("shadow_failed", self.job.generation, rank=p.rank, pid=p.pid, exit_code=code,
+                             signal=sig, shadow_set=p.shadow_set)
+        count = self.store.add(keys.SHADOW_REPLACE.format(gen=self.job.generation), 1 if dead else 0)
+        if count > self.replacements_seen:
+            self.replace_shadows(count)
+
+    def replace_shadows(self, count: int) -> None:
+        """Stop the shadow set and start the ``count``-th replacement of this generation."""
+        self.replacements_seen = count
+        self.stop_shadows()
+        self.start_shadows(replacement=count)
+
+    def claim_replacement(self) -> int:
+        """Count one replacement of this generation's shadow set as this agent's own (the
+        memory policy's level change): ``watch_shadows`` must not redo it."""
+        count = self.store.add(keys.SHADOW_REPLACE.format(gen=self.job.generation), 1)
+        self.replacements_seen = count
+        return count
+
+    # -- stopping --------------------------------------------------------------------------------
+    def stop_actives(self) -> None:
+        kill(self.actives)
+        self.actives = {}
+
+    def stop_shadows(self) -> None:
+        kill(self.shadows)
+        self.shadows = {}
+
+    def stop_all(self) -> None:
+        self.stop_actives()
+        self.stop_shadows()
+
+    def running_pids(self) -> list[int]:
+        return [p.pid for p in (*self.actives.values(), *self.shadows.values()) if p.poll() is None]
+
+
+def kill(procs: Mapping[int, TrainerProcess]) -> None:
+    """SIGKILL every process first (survivors are blocked in collectives), then reap each."""
+    for p in procs.values():
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs.values():
+        p.kill()
+
+
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, a debugger) rather than waiting in a collective."""
+    return process_state(pid) in ("T", "t")
