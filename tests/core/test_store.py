@@ -115,3 +115,21 @@ def test_layout_chunks_cover_every_element_once():
             covered[param] = covered.get(param, 0) + (stop - start)
     assert covered == {p.index: p.numel for p in lay.params}
     assert [p.name for p in lay.params] == ["a", "b", "c", "d"]
+
+
+def test_generic_optimizer_state_is_in_the_layout_not_in_the_param_groups():
+    from leto_lightning.retained.layout import GenericState
+    from leto_lightning.retained.spec import StoreSpec
+    from leto_lightning.updater.retained_optimizer import layout_for
+
+    params = torch.nn.Linear(3, 2).parameters()
+    cfg = RetainedConfig()
+    lay = layout_for(torch.optim.RMSprop(params, lr=0.1, momentum=0.5, centered=True), cfg)
+    assert lay.generic == GenericState(("grad_avg", "momentum_buffer", "square_avg"), (), has_step=True)
+    assert not any(k.startswith("_leto") for hp in lay.group_hparams for k in hp)
+    sgd = layout_for(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), cfg, whole_state=True)
+    assert sgd.generic == GenericState((), (), has_step=False)
+    spec = StoreSpec(new_job_id(), 0, 0, 0, 1, lay, cfg)
+    assert StoreSpec.from_json(spec.to_json()).layout.generic == lay.generic  # kept by the checksummed spec
+    with pytest.raises(ValueError, match="GenericState is for family 'generic'"):
+        build_layout([[("w", (4,), torch.float32)]], family="adam", page_bytes=64, generic=lay.generic)

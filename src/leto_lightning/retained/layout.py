@@ -31,20 +31,32 @@ from ..errors import ConfigurationError
 PARAM = "param"
 GRAD = "grad"
 
+
+@dataclass(frozen=True)
+class GenericState:
+    """What a generic optimizer (one without a chunk-wise update) keeps per parameter, found by
+    running its class once (``updater.whole_state.probe_state``). Part of the layout, not of
+    the param groups' hyper-parameters: the user's settings stay the user's."""
+
+    elementwise: tuple[str, ...] = ()  # state tensors shaped like the param: regions of its segment
+    scalars: tuple[str, ...] = ()  # 0-dim float32 state besides "step": the scalar area
+    has_step: bool = False  # a "step" counter, kept in the step counters
+
+
 # Optimizer-state buffers per supported optimizer family, shaped like the parameter.
 _STATE_KINDS = {
-    "sgd": lambda g: ("momentum_buffer",) if g.get("momentum", 0) != 0 else (),
-    "adam": lambda g: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()),
+    "sgd": lambda g, _: ("momentum_buffer",) if g.get("momentum", 0) != 0 else (),
+    "adam": lambda g, _: ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g.get("amsgrad") else ()),
     # any other optimizer: the per-element state keys found by probing it (updater.whole_state)
-    "generic": lambda g: tuple(g.get("_leto_state_kinds", ())),
+    "generic": lambda _, generic: generic.elementwise if generic is not None else (),
 }
 
 
-def state_kinds(family: str, group: dict) -> tuple[str, ...]:
+def state_kinds(family: str, group: dict, generic: GenericState | None = None) -> tuple[str, ...]:
     """The per-element optimizer-state buffers a param group of ``family`` needs."""
     if family not in _STATE_KINDS:
         raise ConfigurationError(f"unknown optimizer family {family!r}; known: {sorted(_STATE_KINDS)}")
-    return _STATE_KINDS[family](group)
+    return _STATE_KINDS[family](group, generic)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -105,7 +117,12 @@ class StoreLayout:
     params: tuple[ParamSlot, ...]
     regions: tuple[Region, ...]
     group_hparams: tuple[dict, ...] = field(default=(), compare=False)
-    scalar_kinds: tuple[str, ...] = ()  # per-param 0-dim state besides "step" (generic family)
+    generic: GenericState | None = None  # family "generic": what the optimizer keeps per parameter
+
+    @property
+    def scalar_kinds(self) -> tuple[str, ...]:
+        """Per-param 0-dim state besides "step" (generic family)."""
+        return self.generic.scalars if self.generic is not None else ()
 
     @cached_property
     def update_pages(self) -> tuple[int, ...]:
@@ -235,7 +252,7 @@ def build_layout(
     group_options: Sequence[dict] | None = None,
     page_bytes: int,
     chunk_pages: int = 1,
-    scalar_kinds: Sequence[str] = (),
+    generic: GenericState | None = None,
 ) -> StoreLayout:
     """Lay out the params of each param group (``(name, shape, dtype)`` triples).
 
@@ -245,6 +262,8 @@ def build_layout(
     group_options = list(group_options or [{} for _ in groups])
     if len(group_options) != len(groups):
         raise ConfigurationError("group_options must have one entry per param group")
+    if generic is not None and family != "generic":
+        raise ConfigurationError(f"family {family!r} keeps no probed state: GenericState is for family 'generic'")
     if page_bytes <= 0 or chunk_pages <= 0:
         raise ConfigurationError(f"page_bytes ({page_bytes}) and chunk_pages ({chunk_pages}) must be positive")
     segments: list[Segment] = []
@@ -252,7 +271,7 @@ def build_layout(
     regions: list[Region] = []
     next_page = next_chunk = param_index = 0  # param_index: first flat index of the group
     for g, members in enumerate(groups):
-        kinds = (PARAM, GRAD) + state_kinds(family, group_options[g])
+        kinds = (PARAM, GRAD) + state_kinds(family, group_options[g], generic)
         for dtype, items in _by_dtype(members):
             elem = torch.empty((), dtype=dtype).element_size()
             if page_bytes % elem:
@@ -277,7 +296,7 @@ def build_layout(
         param_index += len(members)
     params.sort(key=lambda p: p.index)
     return StoreLayout(page_bytes, chunk_pages, family, tuple(segments), tuple(params), tuple(regions),
-                       tuple(dict(o) for o in group_options), tuple(scalar_kinds))
+                       tuple(dict(o) for o in group_options), generic)
 
 
 def _by_dtype(members: Iterable[tuple[str, Sequence[int], torch.dtype]]):

@@ -31,7 +31,7 @@ from ..errors import ConfigurationError
 from ..protection.checksum import checksum
 from .config import RetainedConfig
 from .groups import Tier1Plan, Tier2Plan
-from .layout import ParamSlot, Region, Segment, StoreLayout
+from .layout import GenericState, ParamSlot, Region, Segment, StoreLayout
 from .shm import segment_name
 
 SLOT_JSON = 64  # offset of a slot's spec header: the mark sits before it
@@ -139,7 +139,7 @@ class StoreSpec:
             tuple(Segment(**{**s, "kinds": tuple(s["kinds"])}) for s in lay["segments"]),
             tuple(ParamSlot(**{**p, "shape": tuple(p["shape"])}) for p in lay["params"]),
             tuple(Region(**r) for r in lay["regions"]),
-            tuple(dict(h) for h in lay["group_hparams"]), tuple(lay["scalar_kinds"]))
+            tuple(dict(h) for h in lay["group_hparams"]), _generic_state(lay["generic"]))
         return cls(d["job_id"], d["rank"], d["node"], d["local_rank"], d["n_local"], layout,
                    RetainedConfig(**d["config"]), d.get("device_manager", ""))
 
@@ -149,13 +149,19 @@ class StoreSpec:
         return 2 * slot
 
 
+def _generic_state(d: dict[str, Any] | None) -> GenericState | None:
+    if d is None:
+        return None
+    return GenericState(tuple(d["elementwise"]), tuple(d["scalars"]), bool(d["has_step"]))
+
+
 def _page_round(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
 
 
 # JSON has no tuples: hyper-parameters such as ``betas`` keep their type through a tag. A value
 # JSON cannot hold at all (an exotic param-group entry) is kept as its repr: the layout reads only
-# the state kinds and Leto's own keys from the hyper-parameters.
+# the state kinds of SGD and Adam (momentum, amsgrad) from the hyper-parameters.
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}

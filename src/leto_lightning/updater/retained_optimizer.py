@@ -69,16 +69,8 @@ def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: 
     names = names or {}
     groups = [[(names.get(p, f"param{j}.{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(g["params"])]
               for j, g in enumerate(optimizer.param_groups)]
-    options = hyperparameters(optimizer)
-    scalars: tuple[str, ...] = ()
-    if family == "generic":
-        kinds, scalars = probe_state(optimizer)
-        has_step = "" not in scalars
-        scalars = tuple(k for k in scalars if k)
-        for opt in options:
-            opt.update(_leto_state_kinds=kinds, _leto_has_step=has_step)
-    return build_layout(groups, family=family, group_options=options, page_bytes=config.page_bytes,
-                        chunk_pages=config.chunk_pages, scalar_kinds=scalars)
+    return build_layout(groups, family=family, group_options=hyperparameters(optimizer), page_bytes=config.page_bytes,
+                        chunk_pages=config.chunk_pages, generic=probe_state(optimizer) if family == "generic" else None)
 
 
 class RetainedOptimizer:

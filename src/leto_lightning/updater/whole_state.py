@@ -21,7 +21,7 @@ import torch
 from ..errors import ConfigurationError, RecoveryError
 from ..faults.points import point
 from ..protection.checksum import checksum
-from ..retained.layout import GRAD, PARAM
+from ..retained.layout import GRAD, PARAM, GenericState
 from ..retained.spec import words_crc
 from ..retained.store import (
     CHECKSUMMED,
@@ -42,8 +42,9 @@ class UnsupportedOptimizerError(ConfigurationError, TypeError):
     """The optimizer (or one of its options) cannot keep its state in retained memory."""
 
 
-def probe_state(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(per-element state keys, 0-dim state keys besides 'step') of ``optimizer``'s class.
+def probe_state(optimizer: torch.optim.Optimizer) -> GenericState:
+    """The per-element state keys, 0-dim state keys besides 'step' and whether there is a
+    'step' of ``optimizer``'s class.
 
     Found by running the class once on a throwaway parameter: the real optimizer is untouched.
     """
@@ -65,9 +66,7 @@ def probe_state(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tupl
                 f"{type(optimizer).__name__}: state {key!r} ({type(value).__name__}) cannot live in retained "
                 "memory; only per-parameter tensors and float32 scalars can"
             )
-    if "step" not in opt.state[probe]:
-        scalars.append("")  # marker stripped by layout_for: this optimizer keeps no step counter
-    return tuple(sorted(elementwise)), tuple(sorted(scalars))
+    return GenericState(tuple(sorted(elementwise)), tuple(sorted(scalars)), has_step="step" in opt.state[probe])
 
 
 class WholeStateTransactions(ChunkTransactions):
@@ -212,7 +211,7 @@ def bind_generic_state(store: RetainedStore, optimizer: torch.optim.Optimizer,
             if kind in (PARAM, GRAD):
                 continue
             state[kind] = store.param_view(slot, kind)
-        if lay.group_hparams[lay.segments[slot.segment].group].get("_leto_has_step"):
+        if lay.generic is not None and lay.generic.has_step:
             state["step"] = store.steps[lay.param_first_piece[slot.index]]
         for j, kind in enumerate(lay.scalar_kinds):
             state[kind] = store.scalars[slot.index, j]
