@@ -1,9 +1,10 @@
 """protection: Reed-Solomon parity over retained pages (docs/design.md 2.2)."""
 
+from ..errors import ProtectionError
 from .checksum import CHECKSUM_ALGORITHM, checksum, checksum_many
 from .codec import ReedSolomonCode
 from .engines import ErasureEngine, available_engines, get_engine
-from .errors import ParityExhaustedError, ProtectionError
+from .errors import ParityExhaustedError
 
 __all__ = [
     "CHECKSUM_ALGORITHM",

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigurationError
 from .engines.isal import load_isal
+from .errors import PageTypeError
 
 _lib, _ = load_isal()
 _crc64 = getattr(_lib, "crc64_ecma_refl", None) if _lib is not None else None
@@ -51,9 +52,9 @@ def available_algorithms() -> list[str]:
 
 def _host_bytes(page: torch.Tensor) -> torch.Tensor:
     if not isinstance(page, torch.Tensor):
-        raise TypeError(f"page must be a torch.Tensor, got {type(page).__name__}")
+        raise PageTypeError(f"page must be a torch.Tensor, got {type(page).__name__}")
     if not page.is_contiguous():
-        raise TypeError("page must be contiguous (a checksum covers one flat byte range)")
+        raise PageTypeError("page must be contiguous (a checksum covers one flat byte range)")
     if page.device.type != "cpu":
         page = page.cpu()  # documented: device pages are checksummed on a host copy
     return page.reshape(-1).view(torch.uint8)

@@ -7,9 +7,9 @@ repaired wrong.
 
 from __future__ import annotations
 
-from ..errors import ConfigurationError, ProtectionError, UnrecoverableDamageError
+from ..errors import ConfigurationError, ProtectionError
 
-__all__ = ["EngineUnavailableError", "ParityExhaustedError", "ProtectionError", "UnrecoverableDamageError"]
+__all__ = ["EngineUnavailableError", "NoInverseError", "PageTypeError", "ParityExhaustedError"]
 
 
 class ParityExhaustedError(ProtectionError):
@@ -27,3 +27,11 @@ class ParityExhaustedError(ProtectionError):
 
 class EngineUnavailableError(ProtectionError, ConfigurationError):
     """A named erasure engine cannot be loaded on this machine (choose another engine)."""
+
+
+class PageTypeError(ConfigurationError, TypeError):
+    """A page argument is not a contiguous uint8 tensor (or not on a device the engine reads)."""
+
+
+class NoInverseError(ConfigurationError, ZeroDivisionError):
+    """A GF(2^8) element without a multiplicative inverse (0, or not a field element)."""

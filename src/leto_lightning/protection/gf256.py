@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigurationError
+from .errors import NoInverseError
 
 POLYNOMIAL = 0x11D
 """The field's reduction polynomial (ISA-L / reedsolo convention)."""
@@ -65,9 +66,9 @@ def mul(a: int, b: int) -> int:
 
 
 def inv(a: int) -> int:
-    """Multiplicative inverse; 0 has none (ZeroDivisionError)."""
+    """Multiplicative inverse; 0 has none (NoInverseError, a ZeroDivisionError)."""
     if not 0 < a < 256:
-        raise ZeroDivisionError(f"GF(2^8) element {a} has no inverse (must be 1..255)")
+        raise NoInverseError(f"GF(2^8) element {a} has no inverse (must be 1..255)")
     return int(EXP[255 - LOG[a]])
 
 

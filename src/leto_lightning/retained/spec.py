@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RetainedStateError
 from ..protection.checksum import checksum
 from .config import RetainedConfig
 from .groups import Tier1Plan, Tier2Plan
@@ -149,6 +149,10 @@ class StoreSpec:
         return 2 * slot
 
 
+class SpecUnreadableError(RetainedStateError):
+    """No copy of a store's spec is intact; the message lists what is wrong with each."""
+
+
 def _generic_state(d: dict[str, Any] | None) -> GenericState | None:
     if d is None:
         return None
@@ -214,7 +218,8 @@ def write_spec(buf: torch.Tensor, spec: StoreSpec) -> None:
 def read_spec(buf: torch.Tensor, name: str) -> tuple[StoreSpec, int, list[str]]:
     """The spec from the first intact copy; its crc; and what was wrong with the other copies.
 
-    Raises ``ValueError`` (caught by the store, which knows what to call it) when no copy is intact.
+    Raises ``SpecUnreadableError`` (caught by the store, which knows what to call it) when no copy
+    is intact.
     """
     findings = []
     for i, slot in enumerate(_slots(buf)):
@@ -231,7 +236,7 @@ def read_spec(buf: torch.Tensor, name: str) -> tuple[StoreSpec, int, list[str]]:
             return StoreSpec.from_json(blob), crc, findings
         except (ValueError, KeyError, TypeError) as exc:  # a valid checksum over a spec of another version
             findings.append(f"segment {name}: spec copy {i} cannot be decoded ({type(exc).__name__}: {exc})")
-    raise ValueError(" ".join(findings))
+    raise SpecUnreadableError(" ".join(findings))
 
 
 def repair_spec(buf: torch.Tensor, spec: StoreSpec) -> None:

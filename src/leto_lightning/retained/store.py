@@ -42,6 +42,7 @@ from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
     UNDO_NPAGES,
     UNDO_NPIECES,
     UNDO_VERSION,
+    SpecUnreadableError,
     StoreSpec,
     any_mark,
     read_spec,
@@ -120,7 +121,7 @@ class RetainedStore:
         spec_seg = _attach_or_missing(name, job_id, rank)
         try:
             spec, crc, findings = read_spec(spec_seg.tensor, name)
-        except ValueError as exc:
+        except SpecUnreadableError as exc:
             never_marked = not any_mark(spec_seg.tensor)
             spec_seg.close()
             if never_marked:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigurationError
+from ..errors import PageTypeError
 
 
 class ErasureEngine(abc.ABC):
@@ -42,20 +43,20 @@ class ErasureEngine(abc.ABC):
 def check_pages(pages: Sequence[torch.Tensor], *, what: str, cpu_only: bool = False) -> int:
     """Validate that pages are contiguous uint8 tensors of one length on one device.
 
-    Returns the common length in bytes. Raises TypeError for wrong kinds of tensors
-    and ValueError for mismatched lengths or devices.
+    Returns the common length in bytes. Raises PageTypeError (a TypeError) for wrong kinds of
+    tensors and ConfigurationError (a ValueError) for mismatched lengths or devices.
     """
     length = -1
     device = None
     for i, page in enumerate(pages):
         if not isinstance(page, torch.Tensor):
-            raise TypeError(f"{what}[{i}] must be a torch.Tensor, got {type(page).__name__}")
+            raise PageTypeError(f"{what}[{i}] must be a torch.Tensor, got {type(page).__name__}")
         if page.dtype != torch.uint8:
-            raise TypeError(f"{what}[{i}] must have dtype torch.uint8, got {page.dtype}")
+            raise PageTypeError(f"{what}[{i}] must have dtype torch.uint8, got {page.dtype}")
         if not page.is_contiguous():
-            raise TypeError(f"{what}[{i}] must be contiguous (pages are flat byte ranges)")
+            raise PageTypeError(f"{what}[{i}] must be contiguous (pages are flat byte ranges)")
         if cpu_only and page.device.type != "cpu":
-            raise TypeError(f"{what}[{i}] is on {page.device}; this engine works on CPU tensors only")
+            raise PageTypeError(f"{what}[{i}] is on {page.device}; this engine works on CPU tensors only")
         if length < 0:
             length, device = page.numel(), page.device
         elif page.numel() != length:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ...errors import ConfigurationError
 from .base import ErasureEngine, check_matrix, check_operands
 
 _CPU_BLOCK = 1 << 20
@@ -86,7 +87,7 @@ class TorchEngine(ErasureEngine):
         per-op overhead, whole 4 MiB pages fall out of cache) and 64 MiB on GPU.
         """
         if block_bytes is not None and block_bytes < 1:
-            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+            raise ConfigurationError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
 
     def _block(self, device: torch.device, length: int) -> int:

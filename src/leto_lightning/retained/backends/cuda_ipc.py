@@ -48,10 +48,11 @@ from typing import Any
 import torch
 
 from ...errors import ConfigurationError, UsageError
+from ...runtime.contract import CUDA_MANAGER, RUN_DIR
 from ..shm import SharedSegment
 from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
 
-MANAGER_ENV = "LETO_CUDA_MANAGER"  # address of the manager new CUDA stores allocate from
+MANAGER_ENV = CUDA_MANAGER  # address of the manager new CUDA stores allocate from
 REQUEST_TIMEOUT = 300.0  # s: a multi-GiB allocation and its zero fill are not instant
 _SOCKET_MAX = 100  # AF_UNIX paths are limited to 107 bytes
 
@@ -59,13 +60,13 @@ _SOCKET_MAX = 100  # AF_UNIX paths are limited to 107 bytes
 def default_address(tag: str) -> str:
     """A Unix-socket path for a manager, in ``$LETO_RUN_DIR`` (else the temp directory)."""
     name = f"leto-{tag}-statemgr.sock"
-    path = os.path.join(os.environ.get("LETO_RUN_DIR") or tempfile.gettempdir(), name)
+    path = os.path.join(os.environ.get(RUN_DIR) or tempfile.gettempdir(), name)
     return path if len(path) <= _SOCKET_MAX else os.path.join("/tmp", name)
 
 
 # -- client side -------------------------------------------------------------------------
 _ERRORS = {"FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
-           "CudaUnavailableError": CudaUnavailableError, "ValueError": ValueError}
+           "CudaUnavailableError": CudaUnavailableError, "ValueError": ConfigurationError}
 
 
 def _request(address: str, *request: Any) -> dict:
