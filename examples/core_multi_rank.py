@@ -16,13 +16,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from leto_lightning.faults.points import set_hook
-from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.shm import new_job_id, unlink_segments
-from leto_lightning.retained.store import RetainedStore
-from leto_lightning.updater.recovery import recover_node
-from leto_lightning.updater.retained_optimizer import RetainedOptimizer, encode_tier2
-from leto_lightning.updater.transaction import ParityCodes
+from leto_lightning import (
+    ParityCodes,
+    RetainedConfig,
+    RetainedOptimizer,
+    RetainedStore,
+    encode_tier2,
+    new_job_id,
+    recover_node,
+    unlink_segments,
+)
+from leto_lightning.faults import set_hook
 
 WORLD = 2
 CONFIG = RetainedConfig(page_bytes=4096, data_pages=4, tier1_parity=1, tier2_parity=1, record_bytes=1 << 16)
@@ -102,7 +106,7 @@ def main() -> None:
         resume = {rep.resume_iteration for rep in reports.values()}
         assert resume == {5}, resume
         models = []
-        for r, store in stores.items():
+        for store in stores.values():
             model, opt = build()
             RetainedOptimizer(opt, store).bind(adopt=True)
             models.append(model)

@@ -10,12 +10,8 @@ import os
 
 import torch
 
-from leto_lightning.errors import RetainedStateError
-from leto_lightning.faults.points import set_hook
-from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.store import RetainedStore
-from leto_lightning.updater.recovery import recover_node
-from leto_lightning.updater.retained_optimizer import RetainedOptimizer
+from leto_lightning import RetainedConfig, RetainedOptimizer, RetainedStateError, RetainedStore, recover_node
+from leto_lightning.faults import set_hook
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -57,7 +53,7 @@ def main() -> None:
     try:
         reports = recover_node(stores)  # -> {local rank: RecoveryReport}
     except RetainedStateError as exc:  # beyond repair, or half-initialised: the checkpoint instead
-        raise SystemExit(f"resume from the last checkpoint: {exc}")
+        raise SystemExit(f"resume from the last checkpoint: {exc}") from None
     report = reports[0]
     print(report.summary())
     model2, opt2 = build()

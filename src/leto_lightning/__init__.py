@@ -57,6 +57,8 @@ _LAZY = {  # public name -> the module that defines it (imported on first access
     "encode_tier2": "leto_lightning.updater.retained_optimizer",
     "ParityCodes": "leto_lightning.updater.transaction",
     "recover_node": "leto_lightning.updater.recovery",
+    "new_job_id": "leto_lightning.retained.shm",
+    "unlink_segments": "leto_lightning.retained.shm",
 }
 
 __all__ = [  # the errors (loaded with the package) and the lazy names of _LAZY
@@ -81,7 +83,9 @@ __all__ = [  # the errors (loaded with the package) and the lazy names of _LAZY
     "UsageError",
     "__version__",
     "encode_tier2",
+    "new_job_id",
     "recover_node",
+    "unlink_segments",
 ]
 
 if TYPE_CHECKING:
@@ -90,6 +94,7 @@ if TYPE_CHECKING:
     from .integrations.lightning.data import ResumableDataLoader
     from .integrations.lightning.strategy import LetoStrategy
     from .retained.config import RetainedConfig
+    from .retained.shm import new_job_id, unlink_segments
     from .retained.store import RetainedStore
     from .updater.recovery import recover_node
     from .updater.retained_optimizer import RetainedOptimizer, encode_tier2

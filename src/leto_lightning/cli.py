@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from .console import error
 from .errors import LetoError
@@ -36,7 +37,7 @@ _SUBCOMMANDS = {
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (what, which value) pointing at ``--help``."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

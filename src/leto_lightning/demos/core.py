@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import cast
 
 import torch
 
@@ -86,7 +87,8 @@ class CoreDemo:
     def _row(self, iteration: int, failure: str) -> None:
         from ..testing.crash import run_in_child
 
-        summaries, seconds, same = run_in_child(lambda: self._recover_and_check(iteration)).value
+        result = run_in_child(lambda: self._recover_and_check(iteration)).value
+        summaries, seconds, same = cast(tuple[str, float, bool], result)
         self.table.add_row(str(iteration), failure, summaries, f"{seconds * 1e3:.1f} ms", _yes(same))
 
     def _shadow_step(self, rank: int, it: int) -> None:

@@ -118,7 +118,8 @@ def from_recipe(args: argparse.Namespace) -> tuple[ModelConfig, Any]:
     recipe = load_recipe(args.recipe)
     args.accumulation = recipe.active.grad_accumulation
     args.lr, args.weight_decay = recipe.optimizer.lr, recipe.optimizer.weight_decay
-    args.clip, args.max_steps, args.seed = recipe.trainer.gradient_clip_val, recipe.trainer.max_steps, recipe.trainer.seed
+    args.clip, args.max_steps = recipe.trainer.gradient_clip_val, recipe.trainer.max_steps
+    args.seed = recipe.trainer.seed
     args.epochs = recipe.trainer.max_epochs if recipe.trainer.max_epochs > 0 else 1_000_000
     args.page_bytes, args.dropout = recipe.leto.page_bytes, 0.0
     return recipe.active.model, make_dataloaders(recipe)[0]

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import time
+from typing import cast
 
 import torch
 
@@ -47,9 +48,10 @@ def main() -> None:
     train = session.protect(model, opt, cfg, start_iteration=start, payload=payload)
     losses = open(os.path.join(session.env.run_dir, f"loss_rank{session.rank}.jsonl"), "a")
     if train.payload is not None:
-        torch.set_rng_state(train.payload["rng"])
-        if "loss" in train.payload:  # the last committed iteration may have died before logging
-            losses.write(json.dumps({"it": train.payload["it"], "loss": train.payload["loss"], "gen": -1}) + "\n")
+        resumed = cast(dict, train.payload)  # what step(payload=...) below recorded
+        torch.set_rng_state(resumed["rng"])
+        if "loss" in resumed:  # the last committed iteration may have died before logging
+            losses.write(json.dumps({"it": resumed["it"], "loss": resumed["loss"], "gen": -1}) + "\n")
     for it in range(train.start_iteration, args.iterations):
         train.begin(it)
         x, y = batch(session.rank, it, 97)

@@ -13,7 +13,7 @@ import torch
 
 def main(recipe_file: str) -> None:
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
     from leto_lightning.integrations.lightning import LetoStrategy
     from leto_lightning.models.config import load_recipe
@@ -30,7 +30,7 @@ def main(recipe_file: str) -> None:
     leto = recipe.leto
     strategy = LetoStrategy(page_bytes=leto.page_bytes, data_pages=leto.data_pages, tier1_parity=leto.tier1_parity,
                             tier2_parity=leto.tier2_parity, shadow_level=leto.shadow_level)
-    loggers = [CSVLogger(run_dir, name="csv", version=0)]
+    loggers: list[Logger] = [CSVLogger(run_dir, name="csv", version=0)]
     if os.environ.get("LETO_WANDB", "1") != "0":
         loggers.append(WandbLogger(project=f"leto-{recipe.name}", save_dir=run_dir, offline=True,
                                    name=os.path.basename(os.path.abspath(run_dir))))

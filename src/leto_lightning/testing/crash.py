@@ -76,7 +76,7 @@ def run_in_child(fn: Callable[[], object], kill_at: KillPoint | KillAfter | None
     os.close(report_w)
     try:
         message = _read_until_exit(report_r, pid, timeout)
-        if message == b"S":  # KillAfter: the clock starts now; kill unless it finishes first
+        if message == b"S" and isinstance(kill_at, KillAfter):  # the clock starts now; kill unless it finishes
             message = _read_until_exit(report_r, pid, kill_at.seconds, on_timeout=b"K")
         killed = message == b"K"
         if killed:
@@ -102,7 +102,7 @@ class ChildError(LetoError, RuntimeError):
     """The child raised: its traceback is the message."""
 
 
-def _child_main(fn: Callable[[], object], kill_at: KillPoint | None, report_w: int) -> None:
+def _child_main(fn: Callable[[], object], kill_at: KillPoint | KillAfter | None, report_w: int) -> None:
     code = 0
     try:
         # libgomp is not fork-safe: a forked child entering an OpenMP region the parent
@@ -154,7 +154,8 @@ class _StartHook:
 
 
 def _read_until_exit(fd: int, pid: int, timeout: float, on_timeout: bytes | None = None) -> bytes:
-    chunks, deadline = [], time.monotonic() + timeout
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
     while True:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:

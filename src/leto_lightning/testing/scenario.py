@@ -9,6 +9,7 @@ against it with ``torch.equal``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
     "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.01)),
     "sgd_nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
