@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from leto_lightning.faults.points import set_hook
+from leto_lightning.retained.record import ProgressEntry
 
 VOCAB, DIM, SEQ = 23, 16, 6
 
@@ -139,12 +140,12 @@ class _FinalRecord(pl.Callback):
     ``on_train_end``, as a completed fit frees its retained memory right after."""
 
     def __init__(self) -> None:
-        self.record: dict | None = None
+        self.record: ProgressEntry | None = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         retained = getattr(trainer.strategy, "retained", None)
         if retained is not None:
-            self.record = retained.store.record.read().payload
+            self.record = retained.store.record.read().progress
 
 
 def callback_summary(callback: pl.Callback) -> dict:

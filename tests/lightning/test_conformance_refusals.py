@@ -162,7 +162,7 @@ def test_the_log_keeper_pickles_without_its_link() -> None:
     import socket
 
     from leto_lightning.integrations.lightning.logs import LogKeeper
-    from leto_lightning.integrations.lightning.runtime_link import RuntimeLink
+    from leto_lightning.runtime.link import RuntimeLink
 
     keeper = LogKeeper()
     keeper.rows, keeper.link = {0: 7}, RuntimeLink(1.0)

@@ -88,7 +88,7 @@ def test_bit_identical_to_single_device_with_overflow_steps(reference, job: str,
     def leto() -> tuple:
         out = fit(fp16_config(_leto(job), logs))
         rec = out["record"]  # as the fit ended: a completed fit frees its retained memory
-        return out, rec["iteration"], rec["payload"]["kind"]
+        return out, rec.iteration, rec.payload["kind"]
 
     got, iteration, kind = run_in_child(leto).value
     snap, losses, scales = reference

@@ -32,7 +32,7 @@ def test_bit_identical_to_single_device(optimizer: str, precision: str, job: str
     def leto() -> tuple:
         out = fit(RunConfig(strategy=_leto(job), **cfg))
         rec = out["record"]  # as the fit ended: a completed fit frees its retained memory
-        return out, rec["status"], rec["iteration"], rec["payload"]["kind"]
+        return out, rec.status, rec.iteration, rec.payload["kind"]
 
     got, status, iteration, kind = run_in_child(leto).value
     assert differences(got, plain) == []

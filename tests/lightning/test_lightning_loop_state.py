@@ -17,6 +17,7 @@ from pl_job import RunConfig, TinyModule, dataloaders, trainer_for
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from leto_lightning.integrations.lightning import LetoStrategy, ResumableDataLoader
+from leto_lightning.integrations.lightning.fit_state import BatchPhase
 from leto_lightning.integrations.lightning.resume import apply_param_groups, capture, finish_batch
 from leto_lightning.testing.crash import run_in_child
 from leto_lightning.updater.retained_optimizer import hyperparameters
@@ -53,7 +54,7 @@ class _Compare(pl.Callback):
         strategy.loop_state.payload_at_prepare = stash
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.strategy.stepped_in_batch:
+        if self.strategy.fit_state.phase is not BatchPhase.STEPPED:
             return
         here = capture(trainer, "batch_end")
         opt = trainer.optimizers[0]

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from leto_lightning.integrations.lightning import loop_state
 from leto_lightning.integrations.lightning.frozen import FrozenPayload
-from leto_lightning.retained.record import ProgressRecord
+from leto_lightning.retained.record import ProgressEntry, ProgressRecord, RecordStatus
 
 
 def _payload() -> dict:
@@ -41,12 +41,12 @@ def test_frozen_payload_reads_back_equal_through_the_record() -> None:
     payload = _payload()
     frozen = FrozenPayload(payload)
     record = ProgressRecord(torch.zeros(1 << 16, dtype=torch.uint8))
-    record.write({"status": "committed", "iteration": 3, "payload": frozen})
-    record.write({"status": "committed", "iteration": 4, "payload": frozen})  # written twice, pickled once
-    got = record.read().payload
-    assert got["iteration"] == 4 and not isinstance(got["payload"], FrozenPayload)
-    assert _equal(got["payload"], payload)
-    assert got["payload"]["alias"] is got["payload"]["same"]  # one object stays one object
+    record.write(ProgressEntry(RecordStatus.COMMITTED, 3, frozen))
+    record.write(ProgressEntry(RecordStatus.COMMITTED, 4, frozen))  # written twice, pickled once
+    got = record.read().progress
+    assert got.iteration == 4 and not isinstance(got.payload, FrozenPayload)
+    assert _equal(got.payload, payload)
+    assert got.payload["alias"] is got.payload["same"]  # one object stays one object
     assert _equal(pickle.loads(pickle.dumps(payload)), frozen.thaw())
     payload["bf16"].add_(1)  # frozen when captured: later changes do not reach it
     assert not _equal(frozen.thaw()["bf16"], payload["bf16"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -31,25 +32,25 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
 from accelerate.utils import InitProcessGroupKwargs
+from typing_extensions import override
 
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
 from ...runtime import per_rank
-from ...updater.transaction import COMMITTED
-from ..lightning.runtime_link import RuntimeLink  # the agent contract; imports no Lightning
-from . import binding
+from ...runtime.contract import NODE_RANK, under_launcher
+from ...runtime.link import RuntimeLink
+from ...updater.retained_optimizer import RetainedOptimizer
+from .binding import agreed_job_id, param_names
+from .binding import attach as attach_store
+from .binding import create as create_store
 from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
 from .config import LetoConfig
 from .loader import is_positioned, positioned
 from .optimizer import LetoAcceleratedOptimizer
 from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
+from .state import RunState
 
 log = logging.getLogger(__name__)
-
-
-def under_leto_launch(env: Any = os.environ) -> bool:
-    """True in a trainer process started by ``leto launch`` (active or shadow)."""
-    return "LETO_ROLE" in env
 
 
 class LetoAccelerator(Accelerator):
@@ -67,16 +68,14 @@ class LetoAccelerator(Accelerator):
         self.leto_config = config
         self.leto_options = config.runtime_options()
         self.retained_config = config.retained_config()
-        self.runtime: RuntimeLink | None = RuntimeLink(config.heartbeat_interval) if under_leto_launch() else None
-        self.retained = None
+        self.runtime: RuntimeLink | None = RuntimeLink(config.heartbeat_interval) if under_launcher() else None
+        self.retained: RetainedOptimizer | None = None
         self.leto_optimizer: LetoAcceleratedOptimizer | None = None
         self.leto_loaders: list = []
         self.leto_recoveries = 0
+        self.leto_state = RunState()  # the start mode and the step phase (state.py)
         self._leto_payload: Any = None
-        self._leto_continuing = False
-        self._leto_resume_called = False
         self._leto_point: ResumePoint | None = None
-        self._committed_since_boundary = False
         self._last_loader: Any = None
         self._train_loader: Any = None
         if self.runtime is None and os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -106,20 +105,23 @@ class LetoAccelerator(Accelerator):
         self.runtime.init_process_group(backend, timeout.total_seconds())
 
     # -- prepare ----------------------------------------------------------------------------
+    @override
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
         result = super().prepare(*args, device_placement=device_placement)
         self._bind_if_ready()
         return result
 
+    @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
         if getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         if device_placement is None:
             device_placement = self.device_placement
-        prepared = LetoAcceleratedOptimizer(optimizer, self, device_placement=device_placement, scaler=self.scaler)
+        prepared = LetoAcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
         self._optimizers.append(prepared)
         return prepared
 
+    @override
     def prepare_data_loader(self, data_loader: Any, device_placement: Any = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
@@ -142,22 +144,25 @@ class LetoAccelerator(Accelerator):
         in_models = {id(p) for m in self._models for p in m.parameters()}
         if not all(id(p) in in_models for p in params):
             return  # the model comes in a later prepare() call
-        job = self.leto_options.resolved_job_id() or binding.agreed_job_id(self.num_processes)
+        job = self.leto_options.resolved_job_id() or agreed_job_id(self.num_processes)
         rollback = self.leto_config.rollback_window
-        payload_fn: Callable[[], Any] = lambda: capture(self, PREPARE, self._train_loader)
+
+        def payload_fn() -> dict:
+            return capture(self, PREPARE, self._train_loader)
+
         barrier = self._barrier()
-        self._leto_continuing = (self.runtime is not None and self.runtime.resumes) or \
-            self.leto_options.resume_requested()
-        if self._leto_continuing:
+        continuing = (self.runtime is not None and self.runtime.resumes) or self.leto_options.resume_requested()
+        self.leto_state.bound(continuing)
+        if continuing:
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
-            ro = binding.attach(prepared.optimizer, job, self.process_index, barrier, payload_fn, rollback)
+            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, payload_fn, rollback)
             if self.runtime is not None:
                 self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
             self._leto_payload = ro.resume()
         else:
-            ro = binding.create(prepared.optimizer, self.retained_config, job, self._ranks(),
-                                binding.param_names(self._models), barrier, payload_fn, rollback)
+            ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
+                                param_names(self._models), barrier, payload_fn, rollback)
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
             else:
@@ -170,7 +175,7 @@ class LetoAccelerator(Accelerator):
         env = os.environ
         return {"rank": self.process_index, "local_rank": self.local_process_index,
                 "local_world_size": int(env.get("LOCAL_WORLD_SIZE", self.num_processes)),
-                "node": int(env.get("GROUP_RANK", env.get("LETO_NODE_RANK", "0")))}
+                "node": int(env.get("GROUP_RANK", env.get(NODE_RANK, "0")))}
 
     def _barrier(self) -> Callable[[], None] | None:
         """No chunk of an iteration commits before every rank prepared it."""
@@ -192,7 +197,7 @@ class LetoAccelerator(Accelerator):
         self._train_loader = self._last_loader
         loss = ro.step(closure)
         ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
-        self._committed_since_boundary = True
+        self.leto_state.stepped()
         if link is not None:
             link.step_done(ro.iteration - 1)
         point("accelerate.after_step", iteration=ro.iteration - 1)
@@ -204,8 +209,8 @@ class LetoAccelerator(Accelerator):
         ro = self.retained
         if ro is None:
             return
-        if self._committed_since_boundary and loader is self._train_loader:
-            self._committed_since_boundary = False
+        if self.leto_state.boundary_due() and loader is self._train_loader:
+            self.leto_state.recorded()
             self._record(capture(self, BOUNDARY, loader))
         self._last_loader = loader
         if self.runtime is not None:
@@ -217,13 +222,10 @@ class LetoAccelerator(Accelerator):
         """The resume payload of the last committed iteration, replaced (exact mode: sealed)."""
         ro = self.retained
         assert ro is not None
-        if ro.rollback_window:
-            ro.seal(payload)
-        else:
-            ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": payload})
+        ro.record_committed(payload)
 
     def _check_resumed(self) -> None:
-        if self._leto_continuing and not self._leto_resume_called:
+        if self.leto_state.awaiting_resume:
             raise UsageError(f"{WHO}: this process continues a job from retained memory; call "
                              "accelerator.leto_resume() after prepare() and start the loop where it says")
 
@@ -238,11 +240,9 @@ class LetoAccelerator(Accelerator):
         loaders start at the next batch; returns where the loop continues."""
         if self.retained is None:
             raise UsageError(f"{WHO}.leto_resume(): call it after accelerator.prepare(model, optimizer, ...)")
-        if self._leto_resume_called:
+        if not self.leto_state.awaiting_resume:  # fresh (None), or resumed already (the same point)
             return self._leto_point
-        self._leto_resume_called = True
-        if not self._leto_continuing:
-            return None
+        self.leto_state.resumed()
         self.retained.zero_grad()  # a crashed accumulation's partial gradients are dropped
         payload = self._leto_payload
         self._leto_point = restore(self, payload) if payload is not None else None
@@ -255,6 +255,7 @@ class LetoAccelerator(Accelerator):
         log.info("%s resumed at step %d (%s)", WHO, self.retained.iteration, self._leto_point)
         return self._leto_point
 
+    @override
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
         """Refused once bound: Accelerate would load weights and replace the optimizer's state
         tensors outside any transaction (stale parity, state no longer in retained memory)."""
@@ -265,10 +266,11 @@ class LetoAccelerator(Accelerator):
         return super().load_state(input_dir, **kwargs)
 
     # -- the end --------------------------------------------------------------------------------
+    @override
     def end_training(self) -> None:
         ro = self.retained
-        if ro is not None and ro.rollback_window and self._committed_since_boundary:
-            self._committed_since_boundary = False
+        if ro is not None and ro.rollback_window and self.leto_state.boundary_due():
+            self.leto_state.recorded()
             self._record(capture(self, BOUNDARY, self._train_loader))  # the last step is complete
         super().end_training()
         if self.runtime is not None and self.runtime.session is not None:
@@ -276,12 +278,16 @@ class LetoAccelerator(Accelerator):
         elif ro is not None:
             _free(ro)
             self.retained = None
+            self.leto_state.unbound()
 
 
-def _free(ro: Any) -> None:
+_FREED: weakref.WeakSet[RetainedOptimizer] = weakref.WeakSet()
+
+
+def _free(ro: RetainedOptimizer) -> None:
     """Free a store nothing else will attach to (no agent): unlink and unmap, once."""
-    if getattr(ro, "_leto_freed", False):
+    if ro in _FREED:
         return
-    ro._leto_freed = True
+    _FREED.add(ro)
     ro.store.unlink()
     ro.store.close()

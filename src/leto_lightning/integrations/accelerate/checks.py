@@ -48,7 +48,8 @@ def refuse_unsupported(kwargs: Mapping[str, Any], env: Mapping[str, str] = os.en
             if handler.comm_hook is not None and str(handler.comm_hook).lower() not in ("no", "commhooktype.no"):
                 raise ConfigurationError(
                     f"DistributedDataParallelKwargs(comm_hook={handler.comm_hook}) changes how gradients are "
-                    f"reduced (compression or model averaging); {WHO} supports DDP's plain all-reduce -- drop comm_hook")
+                    f"reduced (compression or model averaging); {WHO} supports DDP's plain all-reduce -- "
+                    "drop comm_hook")
 
 
 def check_distributed(acc: Any) -> None:

@@ -20,14 +20,15 @@ from typing import Any
 
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
-from ..lightning.options import LetoRuntimeOptions  # a plain dataclass module: imports no Lightning
+from ...runtime.contract import field_override
+from ...runtime.options import LetoRuntimeOptions
 
 # Set by `leto launch` for its trainers with their own meaning (the agent's job id, "retained" or
 # "checkpoint" on a restart): read through LetoRuntimeOptions.resolved_job_id / resume_requested,
 # never as overrides of a field.
 _LAUNCHER_OWNED = ("job_id", "resume")
-_RETAINED = [f for f in dataclasses.fields(RetainedConfig)]
-_RUNTIME = [f for f in dataclasses.fields(LetoRuntimeOptions)]
+_RETAINED = list(dataclasses.fields(RetainedConfig))
+_RUNTIME = list(dataclasses.fields(LetoRuntimeOptions))
 
 
 class _LetoConfigBase:
@@ -56,7 +57,7 @@ class _LetoConfigBase:
         """This config with every ``LETO_<FIELD>`` variable applied (validated again)."""
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            name = f"LETO_{f.name.upper()}"
+            name = field_override(f.name)
             if f.name in _LAUNCHER_OWNED or env.get(name, "") == "":
                 continue
             changes[f.name] = _parse(name, env[name], getattr(self, f.name))

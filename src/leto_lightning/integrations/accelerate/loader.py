@@ -25,14 +25,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ...runtime.rng import generator_states, rng_states, set_generator_states, set_rng_states
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import LetoAccelerator
+
+class BatchHooks(Protocol):
+    """What a positioned loader calls on ``LetoAccelerator`` (a protocol: this module sits below it)."""
+
+    def _leto_iter_started(self, loader: Any) -> None: ...
+
+    def _leto_before_batch(self, loader: Any) -> None: ...
 
 _CLASSES: dict[type, type] = {}
 
@@ -52,7 +57,7 @@ class Position:
 class _PositionedLoader:
     """Mixin placed before the prepared loader's class (see ``positioned``)."""
 
-    _leto_accelerator: LetoAccelerator
+    _leto_accelerator: BatchHooks
     _leto_index: int
     _leto_yielded: int
     _leto_epoch_rng: dict | None
@@ -133,7 +138,7 @@ _END = object()
 _SET_CLASS = object.__dict__["__class__"].__set__
 
 
-def positioned(loader: Any, accelerator: LetoAccelerator, index: int) -> Any:
+def positioned(loader: Any, accelerator: BatchHooks, index: int) -> Any:
     """Turn a prepared loader into its positioned subclass, in place (the same object)."""
     cls = type(loader)
     if isinstance(loader, _PositionedLoader):

@@ -16,23 +16,19 @@ views into retained memory), still called by Accelerate only on sync micro-steps
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+from typing_extensions import override
 
 from ...errors import UsageError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import LetoAccelerator
 
 
 class LetoAcceleratedOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` stepping through retained memory (module doc)."""
 
-    def __init__(self, optimizer: Any, accelerator: LetoAccelerator, device_placement: bool = True,
-                 scaler: Any = None) -> None:
+    def __init__(self, optimizer: Any, device_placement: bool = True, scaler: Any = None) -> None:
         super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
-        self._leto = accelerator
         self._leto_step: Callable | None = None
 
     def bind_step(self, step: Callable[[Callable | None], Any]) -> None:
@@ -41,6 +37,7 @@ class LetoAcceleratedOptimizer(AcceleratedOptimizer):
         if self.scaler is not None:
             self._leto_patched = patch_optimizer_step(self, step)
 
+    @override
     def step(self, closure: Callable | None = None) -> Any:
         if not self.gradient_state.sync_gradients:
             return None

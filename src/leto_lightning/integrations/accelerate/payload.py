@@ -22,7 +22,7 @@ replaces the ``prepare`` payload of the same iteration and needs nothing finishe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,8 +30,21 @@ from ...runtime.rng import rng_states, set_rng_states
 from ...updater.retained_optimizer import hyperparameters
 from .loader import Position
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import LetoAccelerator
+
+class ResumableAccelerator(Protocol):
+    """What a payload reads from and puts back into ``LetoAccelerator`` (a protocol: this module
+    sits below it). Accelerate's own ``step``, ``scaler``, ``gradient_state``, ``_schedulers``
+    and ``_custom_objects``; Leto's prepared optimizer, loaders, recovery count and store."""
+
+    step: int
+    scaler: Any
+    gradient_state: Any
+    _schedulers: list[Any]
+    _custom_objects: list[Any]
+    leto_optimizer: Any
+    leto_loaders: list[Any]
+    leto_recoveries: int
+    retained: Any
 
 PAYLOAD_VERSION = 1
 PREPARE, BOUNDARY = "prepare", "boundary"
@@ -49,7 +62,7 @@ class ResumePoint:
     micro_step: int
 
 
-def capture(acc: LetoAccelerator, kind: str, loader: Any | None) -> dict:
+def capture(acc: ResumableAccelerator, kind: str, loader: Any | None) -> dict:
     """The payload now (see module doc); ``loader``: the loader whose batch the loop trains on."""
     return {
         "version": PAYLOAD_VERSION, "kind": kind, "step": int(acc.step),
@@ -64,7 +77,7 @@ def capture(acc: LetoAccelerator, kind: str, loader: Any | None) -> dict:
     }
 
 
-def restore(acc: LetoAccelerator, payload: dict) -> ResumePoint:
+def restore(acc: ResumableAccelerator, payload: dict) -> ResumePoint:
     """Put back everything but retained memory; position the prepared loaders."""
     acc.step = payload["step"]
     apply_param_groups(acc.leto_optimizer.optimizer, payload["hparams"])
@@ -88,7 +101,7 @@ def restore(acc: LetoAccelerator, payload: dict) -> ResumePoint:
     return ResumePoint(where["epoch"], where["yielded"], acc.retained.iteration, acc.step)
 
 
-def finish_step(acc: LetoAccelerator) -> None:
+def finish_step(acc: ResumableAccelerator) -> None:
     """What the loop and Accelerate did after a committed ``prepare`` payload: the schedulers'
     step after ``opt.step()`` and the scaler's ``update()`` of a step that was not skipped."""
     state = acc.gradient_state

@@ -22,7 +22,15 @@ _EXPORTS = {
     "LetoRuntimeOptions": "options",
     "RETAINED_CKPT": "options",
 }
-__all__ = [*_EXPORTS, "register"]
+__all__ = [
+    "RETAINED_CKPT",
+    "STRATEGY_NAME",
+    "LetoLoopStateCallback",
+    "LetoRuntimeOptions",
+    "LetoStrategy",
+    "ResumableDataLoader",
+    "register",
+]
 
 
 def register() -> None:

@@ -24,27 +24,45 @@ yourself is allowed, the strategy moves it to the end.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
-from . import plateau
+from .fit_state import BatchPhase, FitState
+from .plateau import allow_epoch_steps
 from .resume import capture, capturing, settle_rerun_validation
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import LetoStrategy
+
+class RecordingStrategy(Protocol):
+    """What the callback needs of ``LetoStrategy`` (a protocol: this module sits below it)."""
+
+    fit_state: FitState
+
+    @property
+    def module(self) -> pl.LightningModule: ...
+
+    @property
+    def retained_active(self) -> bool: ...
+
+    @property
+    def committed_any(self) -> bool: ...
+
+    def record_payload(self, payload: Any) -> None: ...
+
+    def fault_point(self, name: str, phase: str) -> None: ...
 
 
 class LetoLoopStateCallback(Callback):
     """Re-records the resume payload at the points Lightning can resume from (module doc)."""
 
     def __init__(self) -> None:
-        self._strategy: LetoStrategy | None = None
+        self._strategy: RecordingStrategy | None = None
         self.records = 0  # payloads this callback wrote (observability, tests)
 
-    def attach(self, strategy: LetoStrategy) -> None:
+    def attach(self, strategy: RecordingStrategy) -> None:
         self._strategy = strategy
 
     def __getstate__(self) -> dict[str, Any]:
@@ -53,9 +71,11 @@ class LetoLoopStateCallback(Callback):
         return dict(self.__dict__, _strategy=None)
 
     @property
+    @override
     def state_key(self) -> str:
         return "LetoLoopStateCallback"
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """In a checkpoint file: the resume payload as of this save, so that ``fit(ckpt_path=
         <file>)`` with LetoStrategy resumes exactly (RNG, data position, logged rows), not only
@@ -63,13 +83,14 @@ class LetoLoopStateCallback(Callback):
         strategy = self._strategy
         if strategy is None or capturing() or not strategy.retained_active:
             return {}
-        trainer = strategy.lightning_module.trainer
+        trainer = strategy.module.trainer
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return {}
         # Inside a training batch (a ModelCheckpoint save in on_train_batch_end): its step
         # metrics are not logged yet; elsewhere (validation, epoch end) they are.
-        return {"payload": capture(trainer, "batch_end" if strategy.batch_open else "validation_end")}
+        return {"payload": capture(trainer, "batch_end" if strategy.fit_state.batch_open else "validation_end")}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing to restore here: ``LetoStrategy.load_checkpoint`` uses the payload."""
 
@@ -78,41 +99,44 @@ class LetoLoopStateCallback(Callback):
         return capture(trainer, "prepare")
 
     # -- hooks ---------------------------------------------------------------------------
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:
             return
-        strategy.batch_open = False
-        skipped = not strategy.stepped_in_batch and step_skipped(trainer, pl_module)
-        if strategy.stepped_in_batch or (skipped and strategy.committed_any):
+        state = strategy.fit_state
+        stepped = state.phase is BatchPhase.STEPPED
+        skipped = not stepped and step_skipped(trainer, pl_module)
+        record = stepped or (skipped and strategy.committed_any)
+        state.batch_ended(recorded=record)  # not recorded: an accumulation micro-batch keeps the last record
+        if record:
             strategy.record_payload(capture(trainer, "batch_end"))
             self.records += 1
-            strategy.clean_since_step = True
-        else:
-            strategy.clean_since_step = False  # an accumulation micro-batch: keep the last record
 
+    @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         strategy = self._strategy
         if strategy is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             strategy.fault_point("lightning.validation", "validation")
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._strategy is not None:
-            plateau.allow_epoch_steps(trainer)  # a resumed fit steps epoch plateau schedulers too
+            allow_epoch_steps(trainer)  # a resumed fit steps epoch plateau schedulers too
             self._strategy.fault_point("lightning.epoch_end", "epoch_end")
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy
         if strategy is None or not strategy.retained_active:
             return
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
-        if strategy.rerunning_validation:
-            strategy.rerunning_validation = False
+        if strategy.fit_state.take_validation_rerun():
             settle_rerun_validation(trainer)
-        if strategy.clean_since_step and strategy.committed_any:
+        if strategy.fit_state.phase is BatchPhase.RECORDED and strategy.committed_any:
             strategy.record_payload(capture(trainer, "validation_end"))
             self.records += 1
 

@@ -7,18 +7,16 @@ outside a transaction, or not in retained memory) is worse than a refusal.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import Strategy
 
 from ...errors import ConfigurationError
 from ...updater.retained_optimizer import optimizer_family
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import LetoStrategy
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -36,7 +34,7 @@ def reject_ddp_options(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
 
 
-def check_trainer(strategy: LetoStrategy, trainer: pl.Trainer) -> None:
+def check_trainer(strategy: Strategy, trainer: pl.Trainer) -> None:
     """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
     check_precision(strategy.precision_plugin)
     if strategy.root_device.type != "cpu":
@@ -63,7 +61,7 @@ def check_precision(precision: Precision) -> None:
                          "cannot be replayed exactly -- use torch.amp.GradScaler")
 
 
-def the_optimizer(strategy: LetoStrategy, trainer: pl.Trainer) -> torch.optim.Optimizer:
+def the_optimizer(strategy: Strategy, trainer: pl.Trainer) -> torch.optim.Optimizer:
     """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
     if len(strategy.optimizers) != 1:
         raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
@@ -112,7 +110,8 @@ def check_closure_use(optimizer: torch.optim.Optimizer, automatic: bool) -> None
             "cannot be protected -- make closure optional in step(), use another optimizer, or strategy='ddp'"
         ) from exc
     if automatic:
-        with_closure.step(closure)  # worked without one: a failure here is the optimizer's own error
+        # worked without one: a failure here is the optimizer's own error
+        with_closure.step(closure)  # type: ignore[arg-type]  # a loss tensor, as Lightning passes
     if automatic and len(calls) != 1:
         what = "never calls its closure" if not calls else f"calls its closure {len(calls)} times"
         raise ConfigurationError(

@@ -33,17 +33,35 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from typing_extensions import override
 
-from . import per_rank
+from ...runtime.contract import NO_SUPERVISE
+from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
+from .per_rank import become_rank_agent, detect
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import LetoStrategy
+
+class LaunchedStrategy(Protocol):
+    """What the launcher needs of ``LetoStrategy`` (a protocol: this module sits below it)."""
+
+    leto_options: LetoRuntimeOptions
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None: ...
+
+    def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: pl.Trainer | None = None) -> Any: ...
 
 
 def _script() -> str:
@@ -70,12 +88,12 @@ def supervise(argv: list[str], script: str) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def _supervisor_argv(strategy: LetoStrategy, script: str) -> list[str]:
+def _supervisor_argv(strategy: LaunchedStrategy, script: str) -> list[str]:
     return ["-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(strategy.num_processes), script,
             *sys.argv[1:]]
 
 
-def check_launch(strategy: LetoStrategy) -> None:
+def check_launch(strategy: LaunchedStrategy) -> None:
     """Launchers that kill every rank when one dies: become their ranks' supervisor (re-run the
     script under ``leto launch``; under torchrun/srun each process becomes its rank's agent) or,
     where that is impossible, refuse naming the command."""
@@ -83,12 +101,12 @@ def check_launch(strategy: LetoStrategy) -> None:
         return
     ranks = strategy.num_processes * strategy.num_nodes
     script = _plain_script()
-    rank_launch = per_rank.detect(strategy)
-    if rank_launch is not None:
-        per_rank.become_rank_agent(strategy, rank_launch, script)  # execs, or raises saying what to do
+    rank_launch = detect(strategy.cluster_environment, strategy.num_processes)
+    if rank_launch is not None:  # execs, or raises saying what to do
+        become_rank_agent(rank_launch, script, strategy.num_processes, strategy.num_nodes, strategy.leto_options)
     lightning_spawns = ranks > 1 and not os.environ.get("TORCHELASTIC_RUN_ID") and not (
         strategy.cluster_environment is not None and strategy.cluster_environment.creates_processes_externally)
-    if lightning_spawns and script and os.environ.get("LETO_NO_SUPERVISE") != "1" and strategy.num_nodes == 1:
+    if lightning_spawns and script and os.environ.get(NO_SUPERVISE) != "1" and strategy.num_nodes == 1:
         supervise(_supervisor_argv(strategy, script), script)
     command = f"`leto launch --nproc-per-node {strategy.num_processes} {_script()}`"
     env = strategy.cluster_environment
@@ -101,13 +119,15 @@ def check_launch(strategy: LetoStrategy) -> None:
 class LetoLauncher(_Launcher):
     """Runs the trainer function in this process; never spawns ranks (``leto launch`` does)."""
 
-    def __init__(self, strategy: LetoStrategy) -> None:
+    def __init__(self, strategy: LaunchedStrategy) -> None:
         self._strategy = strategy
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return True
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         strategy = self._strategy
         check_launch(strategy)
@@ -121,5 +141,6 @@ class LetoLauncher(_Launcher):
             args, kwargs = bound.args, bound.kwargs
         return function(*args, **kwargs)
 
+    @override
     def kill(self, signum: Any) -> None:
         """Nothing to kill: this launcher started no processes."""

@@ -45,11 +45,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from ...runtime.contract import RESUME, ResumeMode
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
 from .tensorboard_logs import TensorBoardContinuity
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runtime_link import RuntimeLink
+    from ...runtime.link import RuntimeLink
 
 VERSION_KEY = "lightning/logger{index}/version"
 CKPT_STEP_KEY = "lightning/newest_checkpoint_step"
@@ -93,7 +94,7 @@ class LogKeeper:
         self.link = link
         resumes = link is not None and link.resumes
         if link is not None:  # the logs go on from a payload
-            continues = resumes or os.environ.get("LETO_RESUME") == "checkpoint"
+            continues = resumes or os.environ.get(RESUME) == ResumeMode.CHECKPOINT
         for index, logger in enumerate(trainer.loggers):
             if link is not None and getattr(logger, "_version", "") is None:
                 key = VERSION_KEY.format(index=index)
@@ -173,7 +174,8 @@ class LogKeeper:
         self.start = (iteration, trainer.global_step, self.ckpt_step)  # the kept steps count from here
         pending, self.pending = self.pending, None
         if pending:
-            trainer._logger_connector.log_metrics(dict(pending["metrics"], epoch=pending["epoch"]), step=pending["step"])
+            metrics = dict(pending["metrics"], epoch=pending["epoch"])
+            trainer._logger_connector.log_metrics(metrics, step=pending["step"])
 
     # -- recovery metrics --------------------------------------------------------------------
     def log_recoveries(self, trainer: pl.Trainer) -> int:

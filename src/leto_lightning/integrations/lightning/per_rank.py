@@ -13,38 +13,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
 from ...runtime import per_rank as neutral
+from ...runtime.options import LetoRuntimeOptions
 from ...runtime.per_rank import RankLaunch, agent_argv, check_layout, from_torchrun, plain_script  # noqa: F401
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import LetoStrategy
 
 WHO = "LetoStrategy"
 
 
-def detect(strategy: LetoStrategy, env: Mapping[str, str] = os.environ) -> RankLaunch | None:
-    """The rank this process is, when torchrun or srun started it (``None`` otherwise)."""
+def detect(cluster: ClusterEnvironment | None, devices: int, env: Mapping[str, str] = os.environ) -> RankLaunch | None:
+    """The rank this process is, when torchrun or srun started it (``None`` otherwise);
+    ``cluster``/``devices``: the strategy's cluster environment and processes per node."""
     if env.get("TORCHELASTIC_RUN_ID"):
         return from_torchrun(env)
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    cluster = strategy.cluster_environment
     if isinstance(cluster, SLURMEnvironment):
-        return from_slurm(cluster, strategy.num_processes, env)
+        return from_slurm(cluster, devices, env)
     return None
 
 
-def from_slurm(cluster, devices: int, env: Mapping[str, str] = os.environ) -> RankLaunch:
+def from_slurm(cluster: SLURMEnvironment, devices: int, env: Mapping[str, str] = os.environ) -> RankLaunch:
     """Ranks from srun's variables (through Lightning's ``SLURMEnvironment``); ``devices`` is the
     number of tasks per node Lightning assumes."""
     return neutral.from_slurm(cluster.global_rank(), cluster.world_size(), cluster.local_rank(), devices,
                               cluster.node_rank(), cluster.main_address, cluster.main_port, env)
 
 
-def become_rank_agent(strategy: LetoStrategy, launch: RankLaunch, script: str | None) -> None:
-    """Exec into this rank's agent (never returns), or raise saying what to do instead."""
-    check_layout(launch, strategy.num_processes, strategy.num_nodes, WHO)
-    options = strategy.leto_options
+def become_rank_agent(launch: RankLaunch, script: str | None, devices: int, num_nodes: int,
+                      options: LetoRuntimeOptions) -> None:
+    """Exec into this rank's agent (never returns), or raise saying what to do instead;
+    ``devices x num_nodes``: the Trainer's layout, which the launcher's must equal."""
+    check_layout(launch, devices, num_nodes, WHO)
     neutral.become_rank_agent(launch, script, WHO, options.shadow_level, options.heartbeat_timeout)

@@ -32,8 +32,8 @@ import torch
 from lightning.pytorch.trainer import call
 
 from ...updater.retained_optimizer import hyperparameters
-from . import plateau
 from .loop_state import loop_state_dict
+from .plateau import apply_due, monitored, plateau_due
 
 PAYLOAD_VERSION = 1
 KINDS = ("start", "prepare", "batch_end", "validation_end")
@@ -131,8 +131,8 @@ def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
         "loops": None if kind == "start" else {"fit_loop": loop_state_dict(trainer.fit_loop)},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
         "validation_due": kind in ("prepare", "batch_end") and validation_due(trainer),
-        "monitored": plateau.monitored(trainer),
-        "plateau_due": plateau.plateau_due(trainer) if kind in ("prepare", "batch_end") else [],
+        "monitored": monitored(trainer),
+        "plateau_due": plateau_due(trainer) if kind in ("prepare", "batch_end") else [],
     }
     keeper = getattr(trainer.strategy, "logs", None)  # loggers across processes (logs.py), under leto launch
     payload["logs"] = keeper.state(trainer, kind) if keeper is not None else None
@@ -292,7 +292,7 @@ def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dic
     if payload is not None and payload.get("validation_due"):
         payload = dict(payload, loops=resume_into_validation(payload["loops"]))
     elif payload is not None and payload.get("plateau_due"):
-        payload = plateau.apply_due(trainer, payload, step_schedulers)
+        payload = apply_due(trainer, payload, step_schedulers)
     module = trainer.lightning_module
     state_dict = module.state_dict()
     optimizer = trainer.optimizers[0]

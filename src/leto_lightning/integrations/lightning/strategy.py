@@ -30,30 +30,34 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
+from ...errors import UsageError
 from ...faults.points import point
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
+from ...runtime.link import RuntimeLink
 from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2, layout_for
-from ...updater.transaction import COMMITTED, ParityCodes
-from . import plateau
+from ...updater.transaction import ParityCodes
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
 from .environment import LetoEnvironment, under_leto_launch
+from .fit_state import FitMode, FitState
 from .frozen import FrozenPayload
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
+from .plateau import restore_monitored
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
-from .runtime_link import RuntimeLink
 from .versions import check_lightning
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
@@ -95,33 +99,30 @@ class LetoStrategy(DDPStrategy):
         self.retained: RetainedOptimizer | None = None
         self.keep_retained = keep_retained  # keep the store after any fit (your own recovery): _resume_can_follow
         self.job_id: str | None = None
-        self.stepped_in_batch = False
-        self.clean_since_step = False
+        self.fit_state = FitState()  # the fit mode and the batch phase (fit_state.py)
         self._proxy: torch.optim.Optimizer | None = None
-        self._resume_next_fit = False
-        self._ckpt_file: Any = None  # fit(ckpt_path=<file>): Lightning's ckpt_path, resolved at configure_ddp
         self._file_checkpoint: dict | None = None
-        self.batch_open = False  # between on_train_batch_start and the loop-state callback's batch end
         self._env_resume_used = False
         self._resume_payload: Any = None
-        self._resumed = False
         self._resumed_from: dict | None = None  # build_checkpoint's "leto" entry: what on_train_start restores
-        self.rerunning_validation = False  # resumed into a validation the crash interrupted (resume.py)
         self._optimizers_ready = False
         self._train_loaders: weakref.WeakSet[ResumableDataLoader] = weakref.WeakSet()
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         """A pickled or deep-copied strategy (``torch.save(trainer)``, ``copy.deepcopy``) is a
         detached copy, as a pickled DDP strategy is: no retained memory, step proxy, loaders or
         link to ``leto launch`` travel with it -- those belong to this process's fit."""
         return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, _train_loaders=None)
 
+    @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._train_loaders = weakref.WeakSet()
 
     # -- registration ----------------------------------------------------------------------
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"leto"`` once; the inherited method would re-register every ``ddp*`` name."""
         entry = dict.get(strategy_registry, STRATEGY_NAME)  # the registry's own get() instantiates
@@ -130,8 +131,17 @@ class LetoStrategy(DDPStrategy):
                                        description="Leto: DDP with retained optimizer state and in-place recovery")
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # build the retained checkpoint once the store is bound
+
+    @property
+    def module(self) -> pl.LightningModule:
+        """The module of the running fit (Lightning's ``lightning_module``, known to be set)."""
+        module = self.lightning_module
+        if module is None:
+            raise UsageError("LetoStrategy: no LightningModule is connected (this runs inside trainer.fit())")
+        return module
 
     @property
     def retained_active(self) -> bool:
@@ -141,11 +151,13 @@ class LetoStrategy(DDPStrategy):
     def committed_any(self) -> bool:
         return self.retained is not None and self.retained.iteration > 0
 
+    @override
     def _configure_launcher(self) -> None:
         check_launch(self)  # at Trainer(...): Leto never spawns ranks; say how to start them
         self._launcher = LetoLauncher(self)
 
     # -- environment -------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         if self.runtime is not None:
             self.runtime.connect()  # shadows at level 1/2 wait here until promoted
@@ -153,9 +165,10 @@ class LetoStrategy(DDPStrategy):
         module = self._lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # before Lightning creates experiments
-            continues = self._resume_next_fit or self._ckpt_file is not None  # (without leto launch)
+            continues = self.fit_state.mode.continues  # (without leto launch)
             self.logs.prepare(trainer, self.runtime, self.global_rank, continues)
 
+    @override
     def setup_distributed(self) -> None:
         if self.runtime is None:
             super().setup_distributed()
@@ -166,27 +179,32 @@ class LetoStrategy(DDPStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         if not torch.distributed.is_initialized():
-            self.runtime.init_process_group(self._process_group_backend, self._timeout.total_seconds())
+            timeout = self._timeout if self._timeout is not None else default_pg_timeout
+            self.runtime.init_process_group(self._process_group_backend, timeout.total_seconds())
 
     # -- setup -------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainer(self, trainer)
-            if self.loop_state in trainer.callbacks:
-                trainer.callbacks.remove(self.loop_state)
-            trainer.callbacks.append(self.loop_state)  # last: sees what the other callbacks did
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+            if self.loop_state in callbacks:
+                callbacks.remove(self.loop_state)
+            callbacks.append(self.loop_state)  # last: sees what the other callbacks did
         super().setup(trainer)
 
+    @override
     def configure_ddp(self) -> None:
         """Bind to retained memory before the DDP wrap: DDP then broadcasts into the views and
         its reducer writes gradients into retained memory."""
-        trainer = self.lightning_module.trainer
+        trainer = self.module.trainer
         super().setup_optimizers(trainer)
         self._optimizers_ready = True
         self._bind_retained(trainer)
         ro = self.retained
         assert ro is not None
-        if self._resumed and self.runtime is not None:
+        mode = self.fit_state.mode
+        if mode is FitMode.SHADOW:
             # A shadow is built up to here while the active trainers still write the same
             # memory: DDP must not broadcast into it. After promotion every rank's retained
             # parameters are the same committed values, so no broadcast is needed at all.
@@ -195,15 +213,16 @@ class LetoStrategy(DDPStrategy):
                 super().configure_ddp()
             finally:
                 self._ddp_kwargs.pop("init_sync", None)
+            assert self.runtime is not None  # SHADOW: under leto launch
             self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
             self._resume_payload = ro.resume()
             self.logs.continue_from(trainer, self._resume_payload)
             return
-        if self._resumed:
+        if mode is FitMode.FROM_RETAINED:
             self._resume_payload = ro.resume()
         self.logs.continue_from(trainer, self._resume_payload)  # a resume or a checkpoint file continues the logs
         super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
-        if not self._resumed:
+        if mode is not FitMode.FROM_RETAINED:
             # Checksums and parity of a new store describe what the broadcast left, not the
             # rank's own initial weights it replaced.
             encode_all(ro.store, ro.txn.codes)
@@ -212,6 +231,7 @@ class LetoStrategy(DDPStrategy):
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         if self._optimizers_ready:  # created in configure_ddp, before the wrap
             self._optimizers_ready = False
@@ -221,19 +241,22 @@ class LetoStrategy(DDPStrategy):
     def _bind_retained(self, trainer: pl.Trainer) -> None:
         optimizer = the_optimizer(self, trainer)
         self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
-        # pickled once: the prepare and commit records write the same payload (frozen.py)
-        payload_fn: Callable[[], Any] = lambda: FrozenPayload(self.loop_state.payload_at_prepare(trainer))
-        module = self.lightning_module
+
+        def payload_fn() -> FrozenPayload:  # pickled once: the prepare and commit records write the same payload
+            return FrozenPayload(self.loop_state.payload_at_prepare(trainer))
+
+        module = self.module
         # Manual optimization steps inside training_step: the update stays open (rolled back by
         # recovery) until the batch ends, which needs the whole-state undo copy (docs/lightning.md).
         manual = not module.automatic_optimization
-        if self._resume_next_fit:
+        if self.fit_state.mode is FitMode.NONE:  # a fit the launcher did not see (no resolve_fit_ckpt_path)
+            self.fit_state.begin(FitMode.FRESH)
+        if self.fit_state.mode.from_retained_memory:
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
             ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn, rollback_window=manual)
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
-            self._resumed = True
         else:
             iteration, self._resume_payload = self._load_checkpoint_file(trainer, optimizer)
             config = self.retained_config
@@ -246,8 +269,7 @@ class LetoStrategy(DDPStrategy):
             # A checkpoint's weights and optimizer state move into the new store, which starts at
             # its global step with its payload committed (a crash before the next step resumes there).
             ro.bind(adopt=False, iteration=iteration, payload=self._resume_payload)
-            self._resumed = False
-        optimizer.zero_grad = ro.zero_grad  # in place: the gradients stay retained views
+        optimizer.zero_grad = ro.zero_grad  # type: ignore[method-assign]  # in place: the gradients stay retained views
         self.retained = ro
         self._proxy = proxy_for(optimizer, self._retained_step)
 
@@ -255,13 +277,13 @@ class LetoStrategy(DDPStrategy):
         """``fit(ckpt_path=<file>)``: load weights and optimizer state *before* binding (the
         bind copies them into retained memory). Returns (global step, resume payload or None)."""
         self._file_checkpoint = None
-        path = self._ckpt_file  # resolved as Lightning resolves it (resolve_fit_ckpt_path)
+        path = self.fit_state.ckpt_file  # resolved as Lightning resolves it (resolve_fit_ckpt_path)
         if path is None:
             return 0, None
-        ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # tensors and plain values only
+        ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # type: ignore[arg-type]  # a str or Path  # tensors and plain values only
         if len(ckpt.get("optimizer_states", ())) != 1:
             raise ValueError(f"{path}: LetoStrategy resumes a checkpoint of exactly one optimizer")
-        self.lightning_module.load_state_dict(ckpt["state_dict"], strict=self.lightning_module.strict_loading)
+        self.module.load_state_dict(ckpt["state_dict"], strict=self.module.strict_loading)
         optimizer.load_state_dict(ckpt["optimizer_states"][0])
         ckpt["leto_file"] = str(path)
         self._file_checkpoint = ckpt
@@ -300,12 +322,14 @@ class LetoStrategy(DDPStrategy):
         return lambda: torch.distributed.barrier()
 
     # -- the step ----------------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
         ro = self.retained
         if ro is None or real_optimizer(optimizer) is not ro.optimizer:
             raise RuntimeError("LetoStrategy: this optimizer is not bound to retained memory (created outside "
                                "configure_optimizers?); it would train without protection")
+        assert self._proxy is not None  # made with the binding
         return super().optimizer_step(self._proxy, closure, model, **kwargs)
 
     def _retained_step(self, closure: Callable | None) -> Any:
@@ -323,8 +347,8 @@ class LetoStrategy(DDPStrategy):
         elif link is not None:  # 16-mixed: the precision plugin ran the closure before the scaler's step
             link.update_start(ro.iteration)
         loss = ro.step(closure)
-        ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
-        self.stepped_in_batch = True
+        ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
+        self.fit_state.step_committed()
         if link is not None:
             link.step_done(ro.iteration - 1)
         return loss
@@ -334,18 +358,17 @@ class LetoStrategy(DDPStrategy):
         payload; the record's two slots keep the previous one until this write is complete)."""
         ro = self.retained
         assert ro is not None
-        frozen = FrozenPayload(payload)  # manual optimization keeps it to write again (as "before")
-        if ro.rollback_window:
-            ro.seal(frozen)  # manual optimization: the batch's update is kept from here on
-            return
-        ro.store.record.write({"status": COMMITTED, "iteration": ro.iteration - 1, "payload": frozen})
+        # Manual optimization keeps it to write again (as "before"); there the record also seals
+        # the batch's update (kept from here on).
+        ro.record_committed(FrozenPayload(payload))
 
     # -- hooks ---------------------------------------------------------------------------------
+    @override
     def on_train_start(self) -> None:
-        trainer = self.lightning_module.trainer
+        trainer = self.module.trainer
         resumed, self._resumed_from = self._resumed_from or {}, None
         self._continue_buffer_sync(resumed.get("kind"))
-        plateau.restore_monitored(trainer, resumed.get("monitored") or {})
+        restore_monitored(trainer, resumed.get("monitored") or {})
         if resumed.get("rng") is not None:
             set_rng_states(resumed["rng"])  # last thing before the first batch: as the crashed run
         # before "start": a fresh run's payload counts no rows yet
@@ -360,14 +383,14 @@ class LetoStrategy(DDPStrategy):
         wrapper, later only after forwards that synchronised gradients -- never in manual
         optimization, where Lightning turns the reducer off during forward. A resumed manual run
         must not broadcast either, or every other rank's statistics become rank 0's."""
-        if kind not in (None, "start") and not self.lightning_module.automatic_optimization and isinstance(
+        if kind not in (None, "start") and not self.module.automatic_optimization and isinstance(
                 self.model, torch.nn.parallel.DistributedDataParallel):
             self.model.require_forward_param_sync = False
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.stepped_in_batch = False
-        self.batch_open = True
-        trainer = self.lightning_module.trainer
+        self.fit_state.batch_started()
+        trainer = self.module.trainer
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         for loader in list(self._train_loaders):
             loader.mark(batch_idx + 1, last)
@@ -375,12 +398,14 @@ class LetoStrategy(DDPStrategy):
             self.logs.log_recoveries(trainer)
             self.runtime.batch_start(self.retained.iteration)
 
+    @override
     def on_train_end(self) -> None:
         if self.runtime is not None:
-            self.logs.finish(self.lightning_module.trainer)
+            self.logs.finish(self.module.trainer)
             if self.runtime.session is not None:
                 self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         if self.runtime is not None:
             self.runtime.report_exception(exception)
@@ -393,12 +418,14 @@ class LetoStrategy(DDPStrategy):
             self.runtime.alive(self.retained.iteration - 1, phase)
         point(name)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.runtime is not None and self.is_global_zero:
             self.logs.checkpoint_saved(self.runtime, int(checkpoint.get("global_step", 0)))
         self.fault_point("lightning.after_checkpoint", "checkpoint")
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         module = self._lightning_module
@@ -414,6 +441,7 @@ class LetoStrategy(DDPStrategy):
         return wrapped
 
     # -- resume --------------------------------------------------------------------------------
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         ckpt_file = self._file_checkpoint
         if ckpt_file is not None and str(checkpoint_path) == ckpt_file["leto_file"]:
@@ -423,7 +451,7 @@ class LetoStrategy(DDPStrategy):
             return self._payload_checkpoint()
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        if not self._resumed or self.retained is None:
+        if not self.fit_state.mode.from_retained_memory or self.retained is None:
             raise RuntimeError(f"ckpt_path={RETAINED_CKPT!r} resumes training from retained memory: use it with "
                                "trainer.fit() on a Trainer with LetoStrategy")
         return self._payload_checkpoint()
@@ -431,11 +459,12 @@ class LetoStrategy(DDPStrategy):
     def _payload_checkpoint(self) -> dict[str, Any]:
         """The in-memory checkpoint of the resume payload (from retained memory or a checkpoint
         file); what Lightning's restore does not cover is kept for ``on_train_start``."""
-        ckpt = build_checkpoint(self.lightning_module.trainer, self._resume_payload)
+        ckpt = build_checkpoint(self.module.trainer, self._resume_payload)
         self._resumed_from = ckpt["leto"]
-        self.rerunning_validation = ckpt["leto"]["validation_rerun"]
+        self.fit_state.resumed_into_validation(ckpt["leto"]["validation_rerun"])
         return ckpt
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if "leto" not in checkpoint and "leto_file" not in checkpoint:
             super().load_optimizer_state_dict(checkpoint)
@@ -444,16 +473,16 @@ class LetoStrategy(DDPStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             apply_param_groups(optimizer, state["param_groups"])
 
+    @override
     def teardown(self) -> None:
         module = self._lightning_module
         trainer = module._trainer if module is not None else None
         ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         super().teardown()
-        if ends_fit and self.retained is not None and not self._resume_can_follow(trainer):
+        if ends_fit and trainer is not None and self.retained is not None and not self._resume_can_follow(trainer):
             self._free_retained()
         self._proxy = None
-        self._resume_next_fit = False
-        self._ckpt_file = None
+        self.fit_state.end()
         self._file_checkpoint = None
 
     def _resume_can_follow(self, trainer: pl.Trainer) -> bool:
@@ -516,13 +545,16 @@ class LetoStrategy(DDPStrategy):
                 and (ckpt_path is None or self.runtime is not None)):
             self._env_resume_used = True  # a shadow's first fit; later fits start normally
             ckpt_path = RETAINED_CKPT
-        self._resume_next_fit = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
-        self._ckpt_file = None
-        if ckpt_path is not None and not self._resume_next_fit and trainer is not None:
-            ckpt_path = trainer._checkpoint_connector._select_ckpt_path(
+        from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
+        ckpt_file = None
+        if ckpt_path is not None and not from_retained and trainer is not None:
+            ckpt_path = ckpt_file = trainer._checkpoint_connector._select_ckpt_path(
                 TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
-            self._ckpt_file = ckpt_path
-        if self.retained is not None and not self._resume_next_fit:
+        if from_retained:
+            self.fit_state.begin(FitMode.SHADOW if self.runtime is not None else FitMode.FROM_RETAINED)
+        else:
+            self.fit_state.begin(FitMode.FROM_FILE if ckpt_file is not None else FitMode.FRESH, ckpt_file)
+        if self.retained is not None and not from_retained:
             self.release(unlink=True)  # a new fit in this process: a fresh store
         return ckpt_path
 

@@ -21,13 +21,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ...errors import ConfigurationError
+from ...runtime.contract import ALLOW_UNTESTED_LIGHTNING
 
 logger = logging.getLogger(__name__)
 
 LIGHTNING_RANGE = ">=2.6.0,<2.7"  # lowest and highest tested: 2.6.0 and 2.6.6 (pyproject.toml pins the same)
 LOWEST_TESTED = "2.6.0"
 HIGHEST_TESTED = "2.6.6"
-ALLOW_ENV = "LETO_ALLOW_UNTESTED_LIGHTNING"
+ALLOW_ENV = ALLOW_UNTESTED_LIGHTNING
 
 
 class UntestedLightningError(ConfigurationError):

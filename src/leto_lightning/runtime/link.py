@@ -1,7 +1,8 @@
-"""``LetoStrategy`` under ``leto launch``: the trainer's side of the runtime contract.
+"""A protected trainer under ``leto launch``: the trainer's side of the runtime contract.
 
-The contract (docs/runtime.md; ``examples/plain_ddp.py`` follows it by hand) and where the
-strategy meets each part:
+Used by ``LetoStrategy`` (Lightning) and ``LetoAccelerator`` (Accelerate) alike: nothing here
+knows the trainer library. The contract (docs/runtime.md; ``examples/plain_ddp.py`` follows it
+by hand) and where ``LetoStrategy`` meets each part:
 
 1. ``runtime.init()`` connects to the agent's TCPStore -- ``setup_environment``. Shadows at
    level 1 or 2 block there until promoted.
@@ -26,13 +27,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING
 
-from ...faults.points import point
-from ...runtime import keys
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ...runtime.session import Session
+from ..faults.points import point
+from .contract import RESUME, ROLE, ResumeMode, Role
+from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
+from .session import Session, init
 
 _SESSION: Session | None = None
 _IMPORTED_AT = time.time()
@@ -42,9 +41,7 @@ def session() -> Session:
     """This process's session with the agent (connects on first use; L1/L2 shadows wait here)."""
     global _SESSION
     if _SESSION is None:
-        from ... import runtime
-
-        _SESSION = runtime.init()
+        _SESSION = init()
     return _SESSION
 
 
@@ -61,7 +58,7 @@ def process_start_time() -> float:
 
 
 class RuntimeLink:
-    """What ``LetoStrategy`` says to, and asks of, the agent (module doc)."""
+    """What a protected trainer says to, and asks of, the agent (module doc)."""
 
     def __init__(self, heartbeat_interval: float) -> None:
         self.heartbeat_interval = heartbeat_interval
@@ -85,7 +82,7 @@ class RuntimeLink:
     def resumes(self) -> bool:
         """This process continues from retained memory: a shadow, or a cold restart (read from
         the environment: deciding this needs no connection to the agent)."""
-        return os.environ.get("LETO_ROLE") == "shadow" or os.environ.get("LETO_RESUME", "") == "retained"
+        return os.environ.get(ROLE) == Role.SHADOW or os.environ.get(RESUME, "") == ResumeMode.RETAINED
 
     @property
     def run_dir(self) -> str:
@@ -102,7 +99,7 @@ class RuntimeLink:
     def store_ready(self) -> None:
         """A new store is created and encoded (tier 2 included): shadows may attach."""
         env = self.env
-        self.connect().store.set(keys.STORE_READY.format(job=env.job_id, rank=env.rank), "1")
+        self.connect().store.set(STORE_READY.format(job=env.job_id, rank=env.rank), "1")
 
     def wait_for_store(self) -> None:
         self.connect()._wait_for_store()
@@ -120,7 +117,7 @@ class RuntimeLink:
         now = time.time()
         t1 = self._resume_started if self._resume_started is not None else now
         start = s.promoted_at if s.promoted_at is not None else process_start_time()
-        s.store.set(keys.RESUMED.format(gen=s.env.generation, rank=s.rank),
+        s.store.set(RESUMED.format(gen=s.env.generation, rank=s.rank),
                     json.dumps({"init_s": max(0.0, t1 - start), "resume_s": now - t1, "iteration": iteration,
                                 "t": now}))
         self._resume_started = None
@@ -144,7 +141,7 @@ class RuntimeLink:
         self._last_beat = time.time()
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
-            s.store.set(keys.FIRST_DONE.format(gen=s.env.generation, rank=s.rank), str(time.time()))
+            s.store.set(FIRST_DONE.format(gen=s.env.generation, rank=s.rank), str(time.time()))
 
     def alive(self, iteration: int, phase: str) -> None:
         """Between steps (validation, checkpoints): a heartbeat at most every interval."""
@@ -156,7 +153,7 @@ class RuntimeLink:
     def report_exception(self, exception: BaseException) -> None:
         s = self.connect()
         try:
-            s.store.set(keys.EXCEPTION.format(pid=os.getpid()), f"{type(exception).__name__}: {exception}")
+            s.store.set(EXCEPTION.format(pid=os.getpid()), f"{type(exception).__name__}: {exception}")
         except Exception:  # pragma: no cover - the agent is gone; nothing to tell
             pass
 
