@@ -18,7 +18,8 @@ still a dependency), under ``if TYPE_CHECKING:`` too. For cycles the module-leve
 count (those under ``if TYPE_CHECKING:`` too: two modules that need each other's types are
 one design, whatever runs first), plus each package ``__init__`` that an import executes on
 the way (``from a.b.c import x`` runs ``a/b/__init__.py``) -- except the importer's own
-packages and the root package, which are already being imported.
+packages and the root package, which are already being imported -- and a package's
+``TYPE_CHECKING`` imports of its own submodules (a lazy ``__init__`` naming what it re-exports).
 
 ``python tests/test_layering.py`` prints every finding without pytest.
 """
@@ -274,7 +275,8 @@ def cycles(imports: tuple[Import, ...]) -> list[str]:
     graph: dict[str, set[str]] = defaultdict(set)
     where: dict[tuple[str, str], Import] = {}
     for imp in imports:
-        if imp.module_level:
+        reexport = imp.type_only and imp.target.startswith(imp.importer + ".")  # a lazy __init__'s names, typed
+        if imp.module_level and not reexport:
             graph[imp.importer].add(imp.target)
             where.setdefault((imp.importer, imp.target), imp)
     found = []

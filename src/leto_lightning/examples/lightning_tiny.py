@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import leto_lightning  # noqa: F401  registers Trainer(strategy="leto")
+from leto_lightning.runtime.contract import RESUME, RUN_DIR, ResumeMode
 
 
 class Block(nn.Module):
@@ -199,7 +200,7 @@ def trainer_for(args: argparse.Namespace, run_dir: str) -> pl.Trainer:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
-    run_dir = os.environ.get("LETO_RUN_DIR", args.out)
+    run_dir = os.environ.get(RUN_DIR, args.out)
     pl.seed_everything(0, workers=True, verbose=False)
     world = args.devices * args.num_nodes
     train = markov_data(args.batch_size * args.batches_per_epoch * world, 32, 32, seed=1)
@@ -208,7 +209,7 @@ def main() -> None:
     trainer = trainer_for(args, run_dir)
     # leto launch's slow path (a failure that is not a HOF): restart from the last checkpoint file.
     # (A promoted shadow ignores ckpt_path: it continues from retained memory.)
-    ckpt_path = "last" if os.environ.get("LETO_RESUME") == "checkpoint" and args.checkpoint_every else None
+    ckpt_path = "last" if os.environ.get(RESUME) == ResumeMode.CHECKPOINT and args.checkpoint_every else None
     trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True),
                 DataLoader(val, batch_size=args.batch_size), ckpt_path=ckpt_path)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigurationError, UsageError
+from ..runtime.contract import JOB_PREFIX
 
 try:  # CPython's private helper, present on every POSIX build
     import _posixshmem
@@ -36,7 +37,7 @@ def new_job_id() -> str:
     ``LETO_JOB_PREFIX`` (if set) is prepended: a test session sets it so its leak checks see
     only its own segments, even with other jobs running on the machine.
     """
-    return os.environ.get("LETO_JOB_PREFIX", "") + secrets.token_hex(6)
+    return os.environ.get(JOB_PREFIX, "") + secrets.token_hex(6)
 
 
 def segment_name(job_id: str, *parts: object) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...runtime.contract import ISAL_LIBRARY
 from ..errors import EngineUnavailableError
 from .base import ErasureEngine, check_matrix, check_operands
 
@@ -45,7 +46,7 @@ _loaded: tuple[ctypes.CDLL | None, str] | None = None
 
 def _candidates() -> Iterator[str]:
     """Places to look for libisal, most explicit first."""
-    env = os.environ.get("LETO_ISAL_LIBRARY")
+    env = os.environ.get(ISAL_LIBRARY)
     if env:
         yield env
     found = ctypes.util.find_library("isal")
