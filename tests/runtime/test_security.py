@@ -256,7 +256,7 @@ def test_signed_store_rejects_forgery_copies_and_replays():
     evil = _client(port)
     _put(evil, "promote/1", "{}")
     assert not agent.check(["promote/1"])  # forged: as if unset
-    with pytest.raises(dist.DistStoreError, match="timeout"):
+    with pytest.raises(LetoTimeoutError, match="timeout"):  # by type: a store timeout, not a lost host
         agent.wait(["promote/1"], timedelta(seconds=0.3))
     trainer.set("promote/1", "go")
     agent.wait(["promote/1"], timedelta(seconds=5))

@@ -18,21 +18,46 @@ rendezvous and collectives, unauthenticated exactly as under torchrun (docs/secu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, InternalError, LetoTimeoutError
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait re-reads a key that holds a rejected value
+
+
+def is_store_timeout(exc: BaseException) -> bool:
+    """A store operation ran past its deadline -- told by type, not by the message.
+
+    torch (2.x, ``c10/util/Exception.h``) raises ``DistStoreError`` when a store ``wait`` (or a
+    ``get``, which waits) times out ("wait timeout after ... ms"); ``DistNetworkError`` when the
+    connection is gone (the store's host died: not a timeout, nothing to wait for any more); and
+    ``QueueEmptyError``, a ``DistStoreError``, for an empty queue. torch's own elastic agent reads
+    ``DistStoreError`` from a wait the same way (``torch/distributed/elastic/utils/store.py``).
+    """
+    return isinstance(exc, dist.DistStoreError) and not isinstance(exc, dist.QueueEmptyError)
+
+
+@contextlib.contextmanager
+def store_timeouts(what: str) -> Iterator[None]:
+    """Inside: a store timeout (``is_store_timeout``) becomes ``LetoTimeoutError`` naming
+    ``what``; any other error passes unchanged."""
+    try:
+        yield
+    except dist.DistStoreError as exc:
+        if not is_store_timeout(exc):
+            raise
+        raise LetoTimeoutError(f"{what}: {exc}") from exc
 
 
 def host_store(addr: str, port: int, timeout: timedelta) -> tuple[dist.TCPStore, int]:
@@ -80,7 +105,8 @@ class SignedStore:
 
     @property
     def timeout(self) -> timedelta:
-        return self.raw.timeout
+        timeout: timedelta = self.raw.timeout  # type: ignore[attr-defined]  # every Store has it; torch's stub lacks it
+        return timeout
 
     # -- signing ---------------------------------------------------------------------------
     def _mac(self, key: str, writer: bytes, seq: bytes, value: bytes) -> bytes:
@@ -133,7 +159,7 @@ class SignedStore:
     # -- the Store API the runtime uses -------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
         message = self.sign(key, value)
-        self.raw.set(key, message)
+        self.raw.set(key, message)  # type: ignore[arg-type]  # torch's stub says str; the store takes bytes
         self._accept_own(key, message)
 
     def _accept_own(self, key: str, message: bytes) -> None:
@@ -149,15 +175,20 @@ class SignedStore:
         if value is None:
             self.wait([key])
             value = self._current(key)
+        if value is None:  # wait() returned only once check() saw an authentic value
+            raise InternalError(f"store key {key!r}: no authentic value right after waiting for one")
         return value
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = timeout if timeout is not None else self.raw.timeout
-        self.raw.wait(list(keys), limit)
+        """Like ``Store.wait``, but a timeout raises ``LetoTimeoutError`` (other store errors,
+        e.g. ``DistNetworkError`` when the host is gone, pass unchanged)."""
+        limit = timeout if timeout is not None else self.timeout
+        with store_timeouts(f"wait timeout: no value for {list(keys)} within {limit}"):
+            self.raw.wait(list(keys), limit)
         deadline = time.monotonic() + limit.total_seconds()
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"Wait timeout: no authentic value for {list(keys)} within {limit}")
+                raise LetoTimeoutError(f"wait timeout: no authentic value for {list(keys)} within {limit}")
             time.sleep(POLL_S)
 
     def compare_set(self, key: str, expected: str, desired: str | bytes) -> bytes:
@@ -168,7 +199,7 @@ class SignedStore:
         mine = self.sign(key, desired)
         current: bytes | str = ""
         while True:
-            got = self.raw.compare_set(key, current, mine)
+            got = self.raw.compare_set(key, current, mine)  # type: ignore[arg-type]  # bytes, as above
             if got == mine:
                 self._accept_own(key, mine)
                 return self._accepted[key][1]
@@ -188,6 +219,6 @@ class SignedStore:
             if amount == 0:
                 return count
             mine = self.sign(key, str(count + amount))
-            if self.raw.compare_set(key, raw, mine) == mine:
+            if self.raw.compare_set(key, raw, mine) == mine:  # type: ignore[arg-type]  # bytes, as above
                 self._accept_own(key, mine)
                 return count + amount

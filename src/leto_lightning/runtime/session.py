@@ -29,15 +29,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, LetoTimeoutError
 from ..faults.points import point, set_hook
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
-from . import auth, keys
+from .auth import CHILD_ENV
 from .control import SignedStore
+from .keys import (
+    EXCEPTION,
+    FAULT_FIRED,
+    FINISHED,
+    FIRST_DONE,
+    HEARTBEAT,
+    PG_PREFIX,
+    PROMOTE,
+    RESUMED,
+    SHADOW_READY,
+    SHADOWS_READY,
+    STORE_READY,
+)
+from .messages import Heartbeat, ResumeInfo
 from .storage import atomic_torch_save
 
 
@@ -98,21 +112,20 @@ class Session:
 
     # -- shadow waiting ---------------------------------------------------------------
     def signal_ready(self) -> None:
-        self.store.set(keys.SHADOW_READY.format(sgen=self.env.shadow_set, rank=self.rank), str(time.time()))
+        self.store.set(SHADOW_READY.format(sgen=self.env.shadow_set, rank=self.rank), str(time.time()))
 
     def wait_for_promotion(self) -> None:
         """Block until the agent promotes this shadow set (or dies: then exit)."""
         if not self.is_shadow:
             return
         self.signal_ready()
-        key = keys.PROMOTE.format(sgen=self.env.shadow_set)
+        key = PROMOTE.format(sgen=self.env.shadow_set)
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=5))
                 break
-            except (RuntimeError, dist.DistStoreError) as exc:
-                if "timeout" not in str(exc).lower() and "wait timeout" not in str(exc).lower():
-                    raise  # the agent is gone: nothing left to shadow
+            except LetoTimeoutError:  # not promoted yet; any other error: the agent is gone, nothing to shadow
+                continue
         info = json.loads(self.store.get(key))
         self.env.generation = int(info["generation"])
         self.promoted_at = time.time()
@@ -121,7 +134,7 @@ class Session:
     def init_process_group(self, backend: str = "gloo", timeout: float = 60.0) -> None:
         if self.env.level < 3:
             self.wait_for_promotion()
-        prefix = keys.PG_PREFIX.format(name=self.pg_name)
+        prefix = PG_PREFIX.format(name=self.pg_name)
         # torch's rendezvous needs a real Store: the unsigned one (as under torchrun; docs/security.md)
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store.raw), rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout))
@@ -150,16 +163,16 @@ class Session:
         payload = ro.resume()
         t2 = time.time()
         init_s = (t1 - t0) if self.promoted_at is None or self.promoted_at < t0 else (t1 - self.promoted_at)
-        self.store.set(keys.RESUMED.format(gen=self.env.generation, rank=self.rank),
-                       json.dumps({"init_s": max(0.0, init_s), "resume_s": t2 - t1, "iteration": ro.iteration,
-                                   "t": time.time()}))
+        resumed = ResumeInfo(init_s=max(0.0, init_s), resume_s=t2 - t1, iteration=ro.iteration, t=time.time())
+        self.store.set(RESUMED.format(gen=self.env.generation, rank=self.rank), resumed.to_json())
         return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload)
 
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
                 payload: object) -> RetainedOptimizer:
         e = self.env
         config.check_devices(e.local_world_size)
-        spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout_for(optimizer, config), config)
+        layout = layout_for(optimizer, config)
+        spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout, config)
         created = RetainedStore.create(spec)
         point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
         ro = RetainedOptimizer(optimizer, created)
@@ -173,19 +186,18 @@ class Session:
                 peer.close()
         self.barrier()
         ro.store.mark_complete()  # set-up done (views bound, tier 1 and 2 encoded): recovery may trust it
-        self.store.set(keys.STORE_READY.format(job=e.job_id, rank=e.rank), "1")
+        self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
         return ro
 
     def _wait_for_store(self) -> None:
         """A shadow starts beside a fresh active trainer: attach once the active created it."""
-        key = keys.STORE_READY.format(job=self.env.job_id, rank=self.rank)
+        key = STORE_READY.format(job=self.env.job_id, rank=self.rank)
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=5))
                 return
-            except (RuntimeError, dist.DistStoreError) as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
+            except LetoTimeoutError:  # the active trainer is still creating it
+                continue
 
     def barrier(self) -> None:
         """The prepare agreement: one flag all-reduce (raises if a peer is gone)."""
@@ -196,20 +208,20 @@ class Session:
     def mark_finished(self) -> None:
         """Training is complete: a crash while the interpreter shuts down (seen: gloo's threads
         calling std::terminate) must not be taken for a failure and recovered."""
-        self.store.set(keys.FINISHED.format(gen=self.env.generation, rank=self.rank), str(time.time()))
+        self.store.set(FINISHED.format(gen=self.env.generation, rank=self.rank), str(time.time()))
 
     # -- progress ------------------------------------------------------------------------
     def heartbeat(self, iteration: int, phase: str) -> None:
         self._iteration = iteration
-        self.store.set(keys.HEARTBEAT.format(rank=self.rank), json.dumps(
-            {"t": time.time(), "it": iteration, "phase": phase, "pid": os.getpid(), "gen": self.env.generation}))
+        beat = Heartbeat(t=time.time(), it=iteration, phase=phase, pid=os.getpid(), gen=self.env.generation)
+        self.store.set(HEARTBEAT.format(rank=self.rank), beat.to_json())
 
     def _install_exception_reporter(self) -> None:
         previous = sys.excepthook
 
         def report(exc_type, exc, tb):
             try:
-                self.store.set(keys.EXCEPTION.format(pid=os.getpid()), f"{exc_type.__name__}: {exc}")
+                self.store.set(EXCEPTION.format(pid=os.getpid()), f"{exc_type.__name__}: {exc}")
             finally:
                 previous(exc_type, exc, tb)
 
@@ -273,7 +285,7 @@ class ProtectedTraining:
         self.session.heartbeat(self.optimizer.iteration - 1, "done")
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
-            self.session.store.set(keys.FIRST_DONE.format(gen=self.session.env.generation, rank=self.session.rank),
+            self.session.store.set(FIRST_DONE.format(gen=self.session.env.generation, rank=self.session.rank),
                                    str(time.time()))
 
     def finish(self) -> None:
@@ -297,7 +309,7 @@ class FaultInjector:
     def __init__(self, session: Session) -> None:
         self.session = session
         mine = [f for f in session.env.faults if f.get("rank") == session.rank]
-        self.pending = [f for f in mine if not session.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
+        self.pending = [f for f in mine if not session.store.check([FAULT_FIRED.format(id=f["id"])])]
         self.counts: dict = {}
 
     def install(self) -> None:
@@ -312,11 +324,11 @@ class FaultInjector:
         for f in self.pending:
             if f["point"] == name and f.get("iteration", it) == it and f.get("generation", gen) == gen:
                 n = self.counts[f["id"]] = self.counts.get(f["id"], 0) + 1
-                fired = keys.FAULT_FIRED.format(id=f["id"])
+                fired = FAULT_FIRED.format(id=f["id"])
                 if n == f.get("occurrence", 1) and not self.session.store.check([fired]):
                     if f.get("wait_shadows"):  # steady state: strike once a shadow set is ready
                         want = f["wait_shadows"] if isinstance(f["wait_shadows"], str) else None  # that set
-                        while not (ready := self.session.store.get(keys.SHADOWS_READY).decode()) or (
+                        while not (ready := self.session.store.get(SHADOWS_READY).decode()) or (
                                 want is not None and ready != want):
                             time.sleep(0.05)
                     self.session.store.set(fired, str(time.time()))
@@ -367,14 +379,15 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
 
 def connect(env: SessionEnv, environ=os.environ) -> SignedStore:
     """The agent's store, signed with the job's secret (``LETO_AUTH_KEY``, set by the agent)."""
-    if auth.CHILD_ENV not in environ:
-        raise RuntimeError(f"not started by `leto launch` (missing {auth.CHILD_ENV}); run the script with "
+    if CHILD_ENV not in environ:
+        raise RuntimeError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "
                            "`leto launch --nproc-per-node N script.py`")
-    store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=60))
+    store: dist.Store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                      timeout=timedelta(seconds=60))
     prefix = environ.get("LETO_STORE_PREFIX", "")
     if prefix:  # the agent's keys live in a namespace of a shared store (torchrun's)
         store = dist.PrefixStore(prefix, store)
-    return SignedStore(store, bytes.fromhex(environ[auth.CHILD_ENV]), prefix,
+    return SignedStore(store, bytes.fromhex(environ[CHILD_ENV]), prefix,
                        _rejection_reporter(env, environ.get("LETO_EVENTS")))
 
 
