@@ -28,6 +28,7 @@ import json
 import os
 import time
 
+from ..errors import LetoTimeoutError
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
@@ -180,6 +181,6 @@ class RuntimeLink:
             try:
                 store.wait([key], timedelta(seconds=5))
                 return store.get(key).decode()
-            except Exception as exc:  # a wait timeout: the publisher is still starting
-                if "timeout" not in str(exc).lower() or time.time() > deadline:
+            except LetoTimeoutError:  # the publisher is still starting (SignedStore.wait: by type)
+                if time.time() > deadline:
                     raise
