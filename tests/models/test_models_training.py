@@ -83,6 +83,6 @@ def test_synthetic_data_is_deterministic_and_learnable() -> None:
 def test_dataloaders_follow_recipe() -> None:
     recipe = load_recipe("kimi_moe")
     train, val = make_dataloaders(recipe)
-    inputs, targets = next(iter(train))
+    inputs, _targets = next(iter(train))
     assert inputs.shape == (recipe.tiny.data.micro_batch, recipe.tiny.model.seq_len)
     assert int(inputs.max()) < recipe.tiny.model.vocab_size and len(val.dataset) == 64

@@ -85,11 +85,11 @@ def test_checkpoint_rollback_matches_the_classical_closed_form(interval: int, mt
 
 
 def test_in_place_rollback_matches_the_per_iteration_closed_form() -> None:
-    lam, T, R, I, c = 1 / 600, 10.0, 20.0, 25, 5.0
+    lam, T, R, n, c = 1 / 600, 10.0, 20.0, 25, 5.0
     d = math.expm1(lam * R) / lam
     per_unit = lambda u: math.expm1(lam * u) * (1 / lam + d)
-    expected = I * T / (I * per_unit(T) + per_unit(c))
-    got = analytic_ettr(_schedule(I, "iteration", R, c), 600.0, 1.0)[0]
+    expected = n * T / (n * per_unit(T) + per_unit(c))
+    got = analytic_ettr(_schedule(n, "iteration", R, c), 600.0, 1.0)[0]
     assert got == pytest.approx(expected, rel=1e-10)
 
 

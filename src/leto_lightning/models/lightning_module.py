@@ -88,7 +88,8 @@ class MoELanguageModel(L.LightningModule):
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """Weight decay on matrices only (norm weights are 1-D), in a deterministic order."""
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for _, param in sorted(self.net.named_parameters(), key=lambda kv: kv[0]):
             (decay if param.ndim >= 2 else no_decay).append(param)
         wd = self.optimizer_config.weight_decay
@@ -97,12 +98,12 @@ class MoELanguageModel(L.LightningModule):
     def _total_steps(self) -> int:
         """Schedule length: the trainer's max_steps when attached, else the constructor's."""
         trainer_steps = getattr(self._trainer, "max_steps", -1) if self._trainer else -1
-        steps = trainer_steps if trainer_steps and trainer_steps > 0 else self.hparams.max_steps
+        steps = trainer_steps if trainer_steps and trainer_steps > 0 else self.hparams["max_steps"]
         return max(int(steps), 1)
 
     def configure_optimizers(self) -> Any:
         cfg = self.optimizer_config
-        optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, betas=tuple(cfg.betas),
+        optimizer = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]),
                                       eps=cfg.eps)
         if cfg.scheduler == "none":
             return optimizer

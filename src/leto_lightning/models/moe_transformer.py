@@ -56,6 +56,9 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (``n_kv_heads`` <= ``n_heads``) and RoPE."""
 
+    rope_cos: Tensor  # buffers (register_buffer), declared for the type checker
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -7,10 +7,10 @@ recipe field, CLI flag or override is named in the error the user sees.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 
-def fail(name: str, value: Any, why: str) -> None:
+def fail(name: str, value: Any, why: str) -> NoReturn:
     """Raise the simulator's standard error for one offending value."""
     raise ValueError(f"{name}={value!r} {why}")
 

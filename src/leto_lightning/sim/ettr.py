@@ -180,16 +180,16 @@ def _advance(done: np.ndarray, ckpt: np.ndarray, tau: np.ndarray,
              s: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """Progress after running ``tau`` seconds from iteration ``done`` (last checkpoint
     ``ckpt``); partial units are lost."""
-    I, T, c = s.interval, s.iteration_s, s.checkpoint_s
+    interval, T, c = s.interval, s.iteration_s, s.checkpoint_s
     j = done - ckpt
-    seg_rem = (I - j) * T + c
+    seg_rem = (interval - j) * T + c
     fin = tau >= seg_rem
-    partial = done + np.minimum(np.floor(tau / T), I - j)
+    partial = done + np.minimum(np.floor(tau / T), interval - j)
     rest = np.where(fin, tau - seg_rem, 0.0)
-    length = I * T + c
+    length = interval * T + c
     k = np.floor(rest / length)
-    new_ckpt = np.where(fin, ckpt + (k + 1) * I, ckpt)
-    tail = np.minimum(np.floor((rest - k * length) / T), I)
+    new_ckpt = np.where(fin, ckpt + (k + 1) * interval, ckpt)
+    tail = np.minimum(np.floor((rest - k * length) / T), interval)
     return np.where(fin, new_ckpt + tail, partial), new_ckpt
 
 

@@ -89,7 +89,8 @@ def load_trace(path: str | Path) -> FailureTrace:
     """Read a ``time,kind`` CSV (see the module docstring)."""
     file = Path(path)
     require(file.is_file(), "--trace", str(path), "is not an existing file")
-    times, kinds = [], []
+    times: list[float] = []
+    kinds: list[bool] = []
     with file.open(newline="") as handle:
         for lineno, row in enumerate(csv.reader(handle), start=1):
             if not row or not row[0].strip() or row[0].lstrip().startswith("#"):

@@ -63,7 +63,7 @@ class HardwareProfile:
                 fail("hardware override", key,
                      f"is not a hardware field (known: {', '.join(sorted(known))})")
             try:
-                values[key] = int(raw) if key == "gpus_per_node" else float(raw)  # type: ignore[arg-type]
+                values[key] = int(raw) if key == "gpus_per_node" else float(raw)  # type: ignore[call-overload,arg-type]
             except (TypeError, ValueError):
                 fail(f"hardware.{key}", raw, "is not a number")
         return replace(self, **values)  # type: ignore[arg-type]

@@ -272,7 +272,7 @@ def _op_overhead_s(workload: Workload, hw: HardwareProfile) -> float:
     if hw.op_overhead_us <= 0:
         return 0.0
     m, p = workload.model, workload.parallel
-    per_micro = OPS_PER_LAYER * m.n_layers
+    per_micro: float = OPS_PER_LAYER * m.n_layers
     if m.n_experts:
         local = m.n_experts / p.ep + m.shared_experts
         per_micro += m.n_moe_layers * (OPS_PER_ROUTER + OPS_PER_EXPERT * local)

@@ -215,7 +215,7 @@ TABLE_HEADERS = ("system", "knob", "ckpt s", "init s", "recompute s", "recovery 
 
 def table_rows(report: SimulationReport) -> list[tuple[str, ...]]:
     """One row per system, strings, in ``TABLE_HEADERS`` order."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     cap = report.context.knobs.max_interval
     for r in report.results:
         if not r.supported:

@@ -44,8 +44,11 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
+_TABLE3_SETTINGS = SimSettings(runs=8)
+
+
 def table3_analog(hardware: str = "a100", iteration_s: float | None = 9.097,
-                  settings: SimSettings = SimSettings(runs=8)) -> str:
+                  settings: SimSettings = _TABLE3_SETTINGS) -> str:
     """Kimi-MoE, 64 GPUs, one HOF every 10 minutes: the paper's rows, then tuned rows."""
     ctx = make_context(load_workload("kimi_moe"), get_hardware(hardware), iteration_s=iteration_s)
     failures = FailureModel(600.0, 1.0)
@@ -57,7 +60,7 @@ def table3_analog(hardware: str = "a100", iteration_s: float | None = 9.097,
         r = evaluate(ctx, system, failures, param, settings)
         a, mc = r.analytic, r.mc
         assert a is not None
-        paper = PAPER_TABLE3.get((system, param))
+        paper = PAPER_TABLE3.get((system, param)) if param is not None else None
         knob = f"{'I' if r.knob == 'interval' else 'W'}={r.param}" + (" tuned" if r.tuned else "")
         if r.tuned and r.param == ctx.knobs.max_interval:
             knob += ", cap"
@@ -124,7 +127,7 @@ def dsv4_headline(hof_ratios: Sequence[float] = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
                   hardwares: Sequence[str] = ("a100", "h200"),
                   tier2: bool = False) -> list[dict[str, object]]:
     """DeepSeek-V4, 131,072 GPUs, MTTF 10 min: Leto and Gemini+ (tuned), analytic ETTR."""
-    out = []
+    out: list[dict[str, object]] = []
     wl = load_workload("deepseek_v4")
     failures_mttf = 600.0
     for hw in hardwares:

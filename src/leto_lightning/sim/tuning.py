@@ -95,8 +95,8 @@ def _golden(f: Curve, lo: int, hi: int) -> tuple[int, float, int]:
         return cache[x]
 
     while hi - lo > 3:
-        a = hi - int(round(_PHI * (hi - lo)))
-        b = lo + int(round(_PHI * (hi - lo)))
+        a = hi - round(_PHI * (hi - lo))
+        b = lo + round(_PHI * (hi - lo))
         if a >= b:
             break
         if val(a) < val(b):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from leto_lightning.sim.checks import require
 from leto_lightning.sim.ettr import analytic
@@ -72,8 +73,8 @@ def entry_workload(entry: dict[str, object], batch: int | None = None) -> Worklo
     degrees = {k: entry.get(k) for k in ("dp", "tp", "pp", "ep")}
     if any(v is not None for v in degrees.values()):
         wl = with_parallelism(wl, **degrees)  # type: ignore[arg-type]
-    model = {k: entry[k] for k in ("seq_len",) if entry.get(k) is not None}
-    data = {k: entry[k] for k in ("micro_batch",) if entry.get(k) is not None}
+    model: dict[str, Any] = {k: entry[k] for k in ("seq_len",) if entry.get(k) is not None}
+    data: dict[str, Any] = {k: entry[k] for k in ("micro_batch",) if entry.get(k) is not None}
     gb = batch if batch is not None else entry.get("global_batch")
     if gb is not None:
         data["global_batch"] = gb
@@ -140,8 +141,8 @@ def iteration_rows(path: Path | str | None = None) -> list[IterationRow]:
             implied = implied_global_batch(entry, measured)
         rows.append(IterationRow(
             str(entry["recipe"]), str(entry.get("size", "full")), str(entry.get("hardware", "a100")),
-            measured, entry.get("global_batch"), predicted, error, implied,  # type: ignore[arg-type]
-            entry.get("paper_predicted_s"), str(entry.get("source", ""))))  # type: ignore[arg-type]
+            measured, entry.get("global_batch"), predicted, error, implied,
+            entry.get("paper_predicted_s"), str(entry.get("source", ""))))
     return rows
 
 

@@ -192,7 +192,7 @@ def _from_yaml(path: Path, size: str, fallback: Workload | None) -> tuple[Worklo
         cfg = OmegaConf.load(path)
     except Exception as exc:  # a broken file must name itself
         fail("--recipe", str(path), f"could not be parsed: {exc}")
-    name = str(cfg.get("name") or path.stem)  # type: ignore[union-attr]
+    name = str(OmegaConf.select(cfg, "name") or path.stem)
     parts = {p: _section(cfg, size, p) for p in ("model", "parallelism", "data")}
     base = fallback if fallback and fallback.name == name else None
     if base is not None:
@@ -243,6 +243,7 @@ def load_workload(name_or_path: str, size: str = "full") -> Workload:
     definition are reported with ``warnings.warn``.
     """
     require(size in ("full", "tiny"), "size", size, "must be 'full' or 'tiny'")
+    notes: list[str]
     key = str(name_or_path)
     path = _recipe_file(key)
     builtin = BUILTIN_WORKLOADS.get(key if path is None else path.stem)
@@ -284,7 +285,7 @@ def with_parallelism(workload: Workload, n_gpus: int | None = None,
         product = deg["dp"] * deg["tp"] * deg["pp"]
         require(product == n_gpus, "--gpus", n_gpus,
                 f"differs from dp*tp*pp={deg['dp']}*{deg['tp']}*{deg['pp']}={product}")
-    new = replace(p, **given)
+    new = replace(p, **given)  # type: ignore[arg-type]  # every degree is an int, none the bool field
     batch = workload.data.global_batch * new.dp // p.dp if new.dp != p.dp else \
         workload.data.global_batch
     data = replace(workload.data, global_batch=max(batch, new.dp * workload.data.micro_batch))
