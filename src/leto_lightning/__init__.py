@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     ConfigurationError,
     IncompleteStoreError,
+    InternalError,
     LetoError,
     LetoTimeoutError,
     MissingExtraError,
@@ -64,6 +65,7 @@ _LAZY = {  # public name -> the module that defines it (imported on first access
 __all__ = [  # the errors (loaded with the package) and the lazy names of _LAZY
     "ConfigurationError",
     "IncompleteStoreError",
+    "InternalError",
     "LetoAccelerator",
     "LetoConfig",
     "LetoError",
