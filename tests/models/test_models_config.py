@@ -147,3 +147,20 @@ def test_lightning_kwargs() -> None:
     kwargs = trainer.lightning_kwargs()
     assert kwargs["val_check_interval"] == 10 and kwargs["check_val_every_n_epoch"] is None
     assert "val_check_interval" not in load_recipe("olmoe").trainer.lightning_kwargs()
+
+
+def test_one_schema_for_trainer_and_simulator() -> None:
+    """The simulator reads a recipe with the trainer's schema: the same classes, rules and counts."""
+    from leto_lightning.errors import ConfigurationError
+    from leto_lightning.recipes import ModelConfig, parameter_counts
+    from leto_lightning.sim.workload import ModelSpec, load_workload
+
+    assert ModelSpec is ModelConfig and issubclass(RecipeError, ConfigurationError)
+    recipe = load_recipe("deepseek_moe", ["size=full"]).full
+    workload = load_workload("deepseek_moe")
+    assert workload.model == recipe.model
+    assert (parameter_counts(recipe.model).total, parameter_counts(recipe.model).active) == \
+        count_parameters(recipe.model)
+    for key, value in (("n_kv_heads", 0), ("expert_ffn_hidden", 0), ("d_model", 2.5)):  # no shorthand, ints only
+        with pytest.raises(RecipeError, match=f"model.{key}={value!r}"):
+            ModelConfig(**{**vars(recipe.model), key: value})
