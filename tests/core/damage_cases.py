@@ -42,7 +42,8 @@ def make_base(scenario: CoreScenario, reference, name: str, steps: int) -> BaseS
         assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=KillPoint("compute.begin")).killed
         resume = steps
     else:
-        torn = KillPoint("whole.math_done") if scenario.optimizer.endswith("_whole") else KillPoint("chunk.tier1_partial", 3)
+        whole = scenario.optimizer.endswith("_whole")
+        torn = KillPoint("whole.math_done") if whole else KillPoint("chunk.tier1_partial", 3)
         assert run_in_child(lambda: _shadow_step(job, 0, steps), kill_at=torn).killed
         run_in_child(lambda: _shadow_step(job, 1, steps))
         resume = steps + 1
@@ -75,7 +76,8 @@ def regions(store: RetainedStore, kind: str) -> list[tuple[torch.Tensor, str]]:
     meta_areas = store.spec.meta_area_bytes()
     return {
         "data": [(segs["data"].tensor, "data")],
-        "parity": [(segs["parity1"].tensor, "parity1")] + ([(segs["parity2"].tensor, "parity2")] if "parity2" in segs else []),
+        "parity": [(segs["parity1"].tensor, "parity1")]
+        + ([(segs["parity2"].tensor, "parity2")] if "parity2" in segs else []),
         "undo": [(segs["undo"].tensor, "undo")],
         "meta": [(segs["meta"].tensor[:meta_areas], "meta")],
         "record": [(segs["meta"].tensor[meta_areas:], "record")],
@@ -143,9 +145,11 @@ def _continue_and_compare(job, base: BaseState) -> list[str]:
     out = []
     for r in range(job.scenario.n_ranks):
         model, ro = job.attach_trainer(r)
-        out += [f"rank {r} after recovery: {d}" for d in differences(snapshot(model, ro.optimizer), base.reference[r][base.resume])]
+        now = snapshot(model, ro.optimizer)
+        out += [f"rank {r} after recovery: {d}" for d in differences(now, base.reference[r][base.resume])]
         run_step(job.scenario, model, ro, r, base.resume)
-        out += [f"rank {r} next step: {d}" for d in differences(snapshot(model, ro.optimizer), base.reference[r][base.resume + 1])]
+        now = snapshot(model, ro.optimizer)
+        out += [f"rank {r} next step: {d}" for d in differences(now, base.reference[r][base.resume + 1])]
         ro.store.close()
     return out
 

@@ -48,7 +48,7 @@ def test_up_to_h1_pages_per_group_are_repaired_by_tier1(trained, seed):
     store = job.stores[rng.randrange(sc.n_ranks)]
     plan = store.spec.tier1
     victims = []
-    for g, pages in enumerate(plan.groups):
+    for _g, pages in enumerate(plan.groups):
         if store.layout.page_kind[pages[0]] == "grad":
             continue
         victims += rng.sample(pages, min(len(pages), rng.randint(0, sc.config.tier1_parity)))
@@ -61,7 +61,7 @@ def test_up_to_h1_pages_per_group_are_repaired_by_tier1(trained, seed):
 
 
 def test_whole_device_lost_is_rebuilt_by_tier2(trained):
-    sc, job, ref = trained
+    _sc, job, ref = trained
     lost = job.stores[1]
     kinds = lost.layout.page_kind
     lost.pages.fill_(0xA5)  # the device's retained memory is gone (reset / state manager died)
@@ -72,7 +72,7 @@ def test_whole_device_lost_is_rebuilt_by_tier2(trained):
 
 
 def test_one_page_more_than_parity_covers_is_reported(trained):
-    sc, job, ref = trained
+    sc, job, _ref = trained
     rng = random.Random(7)
     store = job.stores[0]
     plan = store.spec.tier1
@@ -95,7 +95,7 @@ def test_crash_plus_poisoned_page_in_another_group(trained):
 
     from .crash_cases import _shadow_step
 
-    sc, job, ref = trained
+    sc, job, _ref = trained
     res = run_in_child(lambda: _shadow_step(job, 0, STEPS), kill_at=KillPoint("chunk.math_done", 3))
     assert res.killed
     run_in_child(lambda: _shadow_step(job, 1, STEPS))

@@ -63,7 +63,8 @@ def test_recovery_killed_then_recovered_again_keeps_parity_consistent():
                 _poison(store, page, rng)
             reports = _recover(job.job_id, sc.n_ranks)
             assert reports[0].reencoded_tier1 == [] and reports[0].reencoded_tier2 == [], (seed, second, reports[0])
-            assert sorted(reports[0].repair.tier1.get(0, [])) == sorted(lost), (seed, torn, second, reports[0].summary())
+            rebuilt = sorted(reports[0].repair.tier1.get(0, []))
+            assert rebuilt == sorted(lost), (seed, torn, second, reports[0].summary())
             for r in range(sc.n_ranks):
                 model, ro = job.attach_trainer(r)
                 assert ro.iteration == 2, (seed, second)

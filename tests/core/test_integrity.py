@@ -55,7 +55,7 @@ def test_a_trainer_dying_during_set_up_leaves_a_store_recovery_refuses(point):
     job_id = new_job_id()
 
     def set_up():
-        model, opt = sc.build(0)
+        _model, opt = sc.build(0)
         spec = StoreSpec(job_id, 0, 0, 0, 1, layout_for(opt, sc.config), sc.config)
         store = RetainedStore.create(spec)
         if point != "create":
@@ -71,7 +71,7 @@ def test_a_trainer_dying_during_set_up_leaves_a_store_recovery_refuses(point):
         assert not store.is_complete()
         with pytest.raises(IncompleteStoreError, match="half-initialised"):
             recover_node({0: store})
-        model, opt = sc.build(0)
+        _model, opt = sc.build(0)
         with pytest.raises(IncompleteStoreError, match="half-initialised"):
             RetainedOptimizer(opt, store).bind(adopt=True)
         store.close()
@@ -91,7 +91,7 @@ def test_a_damaged_parity_page_is_skipped_and_rewritten(trained):
     """Two parity pages per group: one bad parity page plus one lost data page is repaired with
     the other parity page, and the bad parity page is rewritten (tier 2 cannot help: the same
     page is lost on both devices)."""
-    sc, job, ref = trained
+    _sc, job, ref = trained
     rng = random.Random(5)
     store0 = job.stores[0]
     plan = store0.spec.tier1
@@ -113,7 +113,7 @@ def test_a_damaged_parity_page_is_skipped_and_rewritten(trained):
 def test_damaged_newest_record_slot_while_the_next_iteration_runs_is_no_alarm(trained):
     """The newest slot (committed t) is lost while iteration t + 1 is in its compute phase (the
     gradients already rewritten): the older entry (prepared t, every chunk committed) is enough."""
-    sc, job, ref = trained
+    _sc, job, ref = trained
     assert run_in_child(lambda: _shadow_step(job, 0, STEPS), kill_at=KillPoint("compute.begin")).killed
     store = job.stores[0]
     grads = [p for p in range(store.layout.n_pages) if store.layout.page_kind[p] == "grad"]
@@ -138,7 +138,8 @@ def test_spec_is_checksummed_json_with_two_copies(trained):
     assert attached.spec == store.spec and attached.spec_findings
     reports = recover_node({0: attached, 1: RetainedStore.attach(job.job_id, 1)})
     assert any("spec copy 0" in f for f in reports[0].metadata_repaired)
-    assert bytes(store.segments["spec"].tensor[:half].numpy())[64:] == bytes(store.segments["spec"].tensor[half:].numpy())[64:]
+    spec_bytes = store.segments["spec"].tensor
+    assert bytes(spec_bytes[:half].numpy())[64:] == bytes(spec_bytes[half:].numpy())[64:]
 
 
 def test_only_leto_errors_leave_recover_node(trained):

@@ -71,7 +71,8 @@ def _run(cls, kwargs, retained: bool, config=None, steps=4):
 @pytest.mark.parametrize("page_bytes,chunk_pages", [(256, 1), (1024, 3)])
 def test_chunked_step_matches_torch(case, page_bytes, chunk_pages):
     cls, kwargs = CASES[case]
-    cfg = RetainedConfig(page_bytes=page_bytes, chunk_pages=chunk_pages, data_pages=4, tier1_parity=1, record_bytes=4096)
+    cfg = RetainedConfig(page_bytes=page_bytes, chunk_pages=chunk_pages, data_pages=4, tier1_parity=1,
+                         record_bytes=4096)
     ref_params, ref_state = _run(cls, kwargs, retained=False)
     params, state = _run(cls, kwargs, retained=True, config=cfg)
     for i, (a, b) in enumerate(zip(params, ref_params)):

@@ -72,14 +72,16 @@ def run_time_case(scenario: CoreScenario, reference, duration: float, seed: int)
         all_prepared = all(_prepared(job, r, t) for r in ranks if r in victims)
         for r in ranks:
             if r not in victims:
-                run_in_child(lambda r=r: _shadow_step(job, r, t), kill_at=None if all_prepared else KillPoint("prepare.barrier"))
+                run_in_child(lambda r=r: _shadow_step(job, r, t),
+                             kill_at=None if all_prepared else KillPoint("prepare.barrier"))
         all_prepared = all(_prepared(job, r, t) for r in ranks)
         resume, states, reports = run_in_child(lambda: _recover_and_continue(job, t + 1)).value
         diffs = {r: differences(states[r], reference[r][t + 2]) for r in ranks}
         expected = t + 1 if all_prepared else t
         ok = resume == expected and not any(diffs.values())
         killed = any("finished first" not in k for k in kills.values())
-        return ok, killed, f"seed {seed}: t={t} kills={kills} resume={resume} (expected {expected}) diffs={diffs} {reports}"
+        return ok, killed, (f"seed {seed}: t={t} kills={kills} resume={resume} (expected {expected}) "
+                            f"diffs={diffs} {reports}")
     finally:
         job.close()
 

@@ -110,7 +110,7 @@ def test_layout_chunks_cover_every_element_once():
               [("d", (1,), torch.float32)]]
     lay = build_layout(groups, family="adam", group_options=[{}, {}], page_bytes=64, chunk_pages=2)
     covered = {}
-    for c, pieces in enumerate(lay.chunk_pieces):
+    for _c, pieces in enumerate(lay.chunk_pieces):
         for param, start, stop in pieces:
             covered[param] = covered.get(param, 0) + (stop - start)
     assert covered == {p.index: p.numel for p in lay.params}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from .engines.isal import load_isal
 from .errors import PageTypeError
 
 _lib, _ = load_isal()
-_crc64 = getattr(_lib, "crc64_ecma_refl", None) if _lib is not None else None
+_crc64: Any = getattr(_lib, "crc64_ecma_refl", None) if _lib is not None else None  # a ctypes function
 
 
 def _crc64_ecma_refl(flat: torch.Tensor) -> int:
@@ -34,7 +35,7 @@ def _crc64_ecma_refl(flat: torch.Tensor) -> int:
 
 
 def _crc32_zlib(flat: torch.Tensor) -> int:
-    return zlib.crc32(flat.numpy())
+    return zlib.crc32(flat.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs lack it
 
 
 _ALGORITHMS = {"crc32-zlib": _crc32_zlib}
@@ -69,7 +70,8 @@ def checksum(page: torch.Tensor, algorithm: str | None = None) -> int:
     name = algorithm or CHECKSUM_ALGORITHM
     fn = _ALGORITHMS.get(name)
     if fn is None:
-        raise ConfigurationError(f"checksum algorithm {name!r} is not available here; available: {available_algorithms()}")
+        raise ConfigurationError(f"checksum algorithm {name!r} is not available here; "
+                                 f"available: {available_algorithms()}")
     return fn(_host_bytes(page))
 
 

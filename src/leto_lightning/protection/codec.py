@@ -70,7 +70,8 @@ class ReedSolomonCode:
         if m < 0:
             raise ConfigurationError(f"m={m}: the number of parity pages cannot be negative")
         if m > k:
-            raise ConfigurationError(f"m={m} > k={k}: more parity than data pages is rejected (H > D); replicate instead")
+            raise ConfigurationError(f"m={m} > k={k}: more parity than data pages is rejected (H > D); "
+                                     "replicate instead")
         if k + m > MAX_CODE_LENGTH:
             raise ConfigurationError(
                 f"k + m = {k + m} > {MAX_CODE_LENGTH}: GF(2^8) Reed-Solomon supports at most 255 pages"

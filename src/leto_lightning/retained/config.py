@@ -65,7 +65,8 @@ class RetainedConfig:
         if self.engine not in ("auto", "isal", "torch"):
             raise ConfigurationError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
         if self.backend not in ("cpu", "cuda"):
-            raise ConfigurationError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' (device memory)")
+            raise ConfigurationError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' "
+                                     "(device memory)")
 
     def check_devices(self, n_devices: int) -> None:
         """Tier 2 spans the devices of a node: validate H2 against how many there are."""

@@ -180,7 +180,7 @@ def check_metadata(meta: Metadata, undo_whole: int) -> MetaVerdict:
         verdict.repaired.append(f"segment {name}: undo header copy")
     p, m = meta.primary, meta.mirror
     chunk = int(header[UNDO_CHUNK]) if header is not None else None
-    version = int(header[UNDO_VERSION]) if header is not None else None
+    version = int(header[UNDO_VERSION]) if header is not None else -1  # -1: unused, no chunk then
     if chunk == undo_whole:
         if not _whole_committed(meta, version):
             verdict.in_flight = [undo_whole]

@@ -160,7 +160,8 @@ class ProgressRecord:
     ``on_half_written`` lets fault-injection tests stop the writer in the middle of a slot.
     """
 
-    def __init__(self, buffer: torch.Tensor, on_half_written: Callable[[], None] | None = None, copies: int = 1) -> None:
+    def __init__(self, buffer: torch.Tensor, on_half_written: Callable[[], None] | None = None,
+                 copies: int = 1) -> None:
         n = 2 * copies
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() % n:
             raise ConfigurationError(f"record buffer must be a 1-D uint8 tensor, a multiple of {n} bytes long")

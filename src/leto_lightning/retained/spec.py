@@ -273,5 +273,5 @@ def words_crc(seed: int, *arrays: np.ndarray) -> int:
     copy moved to another place never validates there. Returned as a non-negative int64."""
     crc = zlib.crc32(seed.to_bytes(8, "little", signed=True))
     for a in arrays:
-        crc = zlib.crc32(np.ascontiguousarray(a), crc)
+        crc = zlib.crc32(np.ascontiguousarray(a), crc)  # type: ignore[arg-type]  # a buffer; numpy's stubs lack it
     return crc | (1 << 32)  # bit 32 set: a zeroed word is never a valid checksum

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import ConfigurationError, IncompleteStoreError, UnrecoverableDamageError
+from ..errors import ConfigurationError, IncompleteStoreError, InternalError, UnrecoverableDamageError
 from ..faults.points import point
 from .layout import ParamSlot, dtype_of
 from .record import ProgressRecord
@@ -215,7 +215,8 @@ class RetainedStore:
         self.parity1 = self.segments["parity1"].tensor[: n1 * cfg.tier1_parity * pb].view(n1, cfg.tier1_parity, pb)
         if self.spec.tier2.enabled:
             n2 = self.spec.tier2.n_stripes
-            self.parity2 = self.segments["parity2"].tensor[: n2 * cfg.tier2_parity * pb].view(n2, cfg.tier2_parity, pb)
+            parity2 = self.segments["parity2"].tensor[: n2 * cfg.tier2_parity * pb]
+            self.parity2: torch.Tensor | None = parity2.view(n2, cfg.tier2_parity, pb)
         else:
             self.parity2 = None
         self._build_meta_views(self.segments["meta"].tensor)
@@ -248,6 +249,12 @@ class RetainedStore:
 
     def page(self, p: int) -> torch.Tensor:
         return self.pages[p]
+
+    def tier2_parity(self, stripe: int) -> list[torch.Tensor]:
+        """The H2 parity pages of tier-2 stripe ``stripe`` (the store must have tier 2)."""
+        if self.parity2 is None:
+            raise InternalError(f"rank {self.spec.rank}: tier-2 parity asked for, but this store has no tier 2")
+        return list(self.parity2[stripe])
 
     def region_view(self, segment: int, kind: str) -> torch.Tensor:
         """A typed 1-D view of one whole region (padded length)."""
@@ -291,7 +298,7 @@ def _create_or_attach(name: str, nbytes: int) -> SharedSegment:
         if seg.nbytes != nbytes:
             seg.close()
             raise ConfigurationError(f"tier-2 segment {name} has {seg.nbytes} B, expected {nbytes} B: the node's "
-                                     "ranks must share one layout (same model, optimizer and RetainedConfig)")
+                                     "ranks must share one layout (same model, optimizer and RetainedConfig)") from None
         return seg
 
 

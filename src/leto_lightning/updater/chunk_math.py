@@ -69,12 +69,13 @@ def _adam(hp: dict, pieces: ChunkPieces) -> None:
 
 def _sgd(hp: dict, pieces: ChunkPieces) -> None:
     momentum = hp.get("momentum", 0)
-    buffers = pieces.state.get("momentum_buffer")
     # torch.optim.SGD initialises the buffer to a *copy* of the first gradient (not 0*m + g):
     # hand it None on a piece's first step and copy what it creates into retained memory.
-    passed = [buf if step.item() > 0 else None for buf, step in zip(buffers, pieces.steps)] if momentum else [
-        None
-    ] * len(pieces.params)
+    buffers = pieces.state["momentum_buffer"] if momentum else []
+    passed: list[torch.Tensor | None] = (
+        [buf if step.item() > 0 else None for buf, step in zip(buffers, pieces.steps)] if momentum
+        else [None] * len(pieces.params)
+    )
     functional_sgd(
         pieces.params,
         pieces.grads,
@@ -93,7 +94,7 @@ def _sgd(hp: dict, pieces: ChunkPieces) -> None:
     )
     if momentum:
         for retained, produced in zip(buffers, passed):
-            if produced is not retained:
+            if produced is not None and produced is not retained:  # None: never, torch filled it
                 retained.copy_(produced)
     for step in pieces.steps:
         step.add_(1)

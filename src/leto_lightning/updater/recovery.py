@@ -99,9 +99,10 @@ def check_store(store: RetainedStore) -> tuple[Metadata, MetaVerdict]:
     return meta, verdict
 
 
-def restore_in_flight(store: RetainedStore, meta: Metadata, verdict: MetaVerdict) -> tuple[list[tuple[int, str]], list[int]]:
+def restore_in_flight(store: RetainedStore, meta: Metadata,
+                      verdict: MetaVerdict) -> tuple[list[tuple[int, str]], list[int]]:
     """Put the chunk in flight back to its pre-transaction contents; returns it and its pages."""
-    if not verdict.in_flight:
+    if not verdict.in_flight or verdict.header is None:  # in flight is only ever read from a header
         return [], []
     chunk, version, n_pages, n_pieces = header_fields(verdict.header)
     if chunk == UNDO_WHOLE:
@@ -124,7 +125,8 @@ def restore_in_flight(store: RetainedStore, meta: Metadata, verdict: MetaVerdict
         raise UnrecoverableDamageError({}, [
             f"rank {store.spec.rank}: segment {store.spec.name('undo')}: the undo copy of in-flight chunk {chunk} is "
             f"damaged (its copies of pages {bad} fail their checksums), so the chunk's old contents are lost."])
-    store.steps[first : first + n_pieces] = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(torch.float64).float()
+    steps_saved = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces]
+    store.steps[first : first + n_pieces] = steps_saved.view(torch.float64).float()
     store.chunk_table[chunk, 0] = version
     meta.seal_chunk(chunk)
     store.chunk_table[chunk, 1] = IDLE
@@ -339,6 +341,6 @@ def _check_versions(store: RetainedStore, expected: int) -> None:
     if wrong:
         raise RecoveryError(
             f"rank {store.spec.rank}: chunks {wrong[:10]} are at versions "
-            f"{sorted(set(int(versions[c]) for c in wrong))}, expected {expected} everywhere (the progress record and "
+            f"{sorted({int(versions[c]) for c in wrong})}, expected {expected} everywhere (the progress record and "
             f"the commit marks disagree). {CHECKPOINT_ADVICE}"
         )

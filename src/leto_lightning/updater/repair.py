@@ -110,10 +110,11 @@ def _tier1_pass(store: RetainedStore, code, lost: set[int], done: list[int], det
         pages = plan.groups[g]
         missing = [i for i, p in enumerate(pages) if p in lost]
         if len(missing) > code.m:
-            details.append(f"Tier-1 group {g} (pages {pages[0]}..{pages[-1]}) lost {len(missing)} pages, has {code.m} parity.")
+            details.append(f"Tier-1 group {g} (pages {pages[0]}..{pages[-1]}) lost {len(missing)} pages, "
+                           f"has {code.m} parity.")
             continue
         if rebuild(code, [store.pages[p] for p in pages], list(store.parity1[g]), missing,
-                   lambda i: page_ok(store, pages[i])):
+                   lambda i, pages=pages: page_ok(store, pages[i])):
             lost.difference_update(pages[i] for i in missing)
             done.extend(pages[i] for i in missing)
             progress = True
@@ -123,7 +124,8 @@ def _tier1_pass(store: RetainedStore, code, lost: set[int], done: list[int], det
     return progress
 
 
-def _tier2_pass(stores: Mapping[int, RetainedStore], code, lost: dict[int, set[int]], done: dict, details: list[str]) -> bool:
+def _tier2_pass(stores: Mapping[int, RetainedStore], code, lost: dict[int, set[int]], done: dict,
+                details: list[str]) -> bool:
     if code is None or len(stores) < 2:
         return False
     any_store = next(iter(stores.values()))
@@ -141,14 +143,15 @@ def _tier2_pass(stores: Mapping[int, RetainedStore], code, lost: dict[int, set[i
         if len(missing) > code.m:
             details.append(f"Tier-2 stripe {stripe} lost page {page} on {len(missing)} devices, has {code.m} parity.")
             continue
-        if rebuild(code, [stores[r].pages[page] for r in ranks], list(any_store.parity2[stripe]),
-                   [ranks.index(r) for r in missing], lambda i: page_ok(stores[ranks[i]], page)):
+        if rebuild(code, [stores[r].pages[page] for r in ranks], any_store.tier2_parity(stripe),
+                   [ranks.index(r) for r in missing], lambda i, page=page: page_ok(stores[ranks[i]], page)):
             for r in missing:
                 lost[r].discard(page)
                 done.setdefault(r, []).append(page)
             progress = True
         else:
-            details.append(f"Tier-2 rebuild of page {page} on devices {missing} (stripe {stripe}) failed its checksums.")
+            details.append(f"Tier-2 rebuild of page {page} on devices {missing} (stripe {stripe}) "
+                           "failed its checksums.")
     return progress
 
 
@@ -181,7 +184,7 @@ def verify_parity(stores: Mapping[int, RetainedStore], tier1: ReedSolomonCode | 
         for page, stripe in enumerate(first.spec.tier2.page_stripe):
             if stripe < 0:
                 continue
-            data, parity = [stores[r].pages[page] for r in ranks], list(first.parity2[int(stripe)])
+            data, parity = [stores[r].pages[page] for r in ranks], first.tier2_parity(int(stripe))
             if tier2.verify(data, parity):
                 tier2.encode(data, parity)
                 stripes.append(int(stripe))

@@ -97,7 +97,8 @@ class RetainedOptimizer:
         self.payload_fn = payload_fn
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         if len(self.params) != len(self.layout.params):
-            raise ConfigurationError(f"optimizer has {len(self.params)} params, the store's layout {len(self.layout.params)}")
+            raise ConfigurationError(f"optimizer has {len(self.params)} params, "
+                                     f"the store's layout {len(self.layout.params)}")
         if self.layout.family == "generic":
             self.txn: ChunkTransactions = WholeStateTransactions(store, optimizer, self.params, ParityCodes(store))
         else:
@@ -175,7 +176,8 @@ class RetainedOptimizer:
             p.grad = self._grad_views[slot.index]
             p.register_post_accumulate_grad_hook(self._mark_received(slot.index))
             if lay.family != "generic":
-                state = {k: store.param_view(slot, k) for k in lay.segments[slot.segment].kinds if k not in (PARAM, GRAD)}
+                kinds = lay.segments[slot.segment].kinds
+                state = {k: store.param_view(slot, k) for k in kinds if k not in (PARAM, GRAD)}
                 if lay.family == "adam":
                     state["step"] = store.steps[lay.param_first_piece[slot.index]]
                 if not adopt and existing:
@@ -347,4 +349,4 @@ def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
     first = stores[0]
     for p, s in enumerate(first.spec.tier2.page_stripe):
         if s >= 0:
-            codes.tier2.encode([st.pages[p] for st in stores], list(first.parity2[int(s)]))
+            codes.tier2.encode([st.pages[p] for st in stores], first.tier2_parity(int(s)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -108,7 +109,8 @@ class ChunkTransactions:
         self.update_chunks(iteration, hparams, skip_params)
         self.commit(iteration, payload)
 
-    def prepare(self, iteration: int, hparams: Sequence[dict], payload: object, skip_params: Sequence[int] = ()) -> None:
+    def prepare(self, iteration: int, hparams: Sequence[dict], payload: object,
+                skip_params: Sequence[int] = ()) -> None:
         point("prepare.begin", iteration=iteration)
         self.protect_grads()
         point("prepare.grads_protected", iteration=iteration)
@@ -197,11 +199,12 @@ class ChunkTransactions:
         head[:] = 0
         head[:UNDO_CRCS] = (plan.chunk, iteration, n_pages, n_pieces)
         head[UNDO_CRCS : UNDO_CRCS + n_pages] = self._crcs[plan.pages]
-        head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces].view(np.float64)[:] = self._steps[first : first + n_pieces]
+        steps_saved = head[UNDO_CRCS + n_pages : UNDO_CRCS + n_pages + n_pieces]
+        steps_saved.view(np.float64)[:] = self._steps[first : first + n_pieces]
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
-    def _tier1_delta(self, plan: ChunkPlan) -> None:
+    def _tier1_delta(self, plan: ParityDeltas) -> None:
         code = self.codes.tier1
         if code is None:
             return
@@ -210,7 +213,7 @@ class ChunkTransactions:
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
 
-    def _tier2_delta(self, plan: ChunkPlan) -> None:
+    def _tier2_delta(self, plan: ParityDeltas) -> None:
         code = self.codes.tier2
         if code is None:
             return
@@ -220,6 +223,15 @@ class ChunkTransactions:
                 code.apply_delta(column, old, new, parity, self._scratch)
                 if i == 0:
                     point("chunk.tier2_partial", page=plan.pages[0])
+
+
+class ParityDeltas(Protocol):
+    """What the parity deltas of a transaction need: ``ChunkPlan``, or the whole-state plan."""
+
+    chunk: int  # the tier-2 lock key
+    pages: list[int]
+    tier1: list[tuple]  # (old, new, column, parity pages) per page
+    tier2: list[tuple]  # (old, new, parity pages) per page
 
 
 @dataclass
@@ -261,10 +273,11 @@ class ChunkPlan:
         views = {k: store.chunk_view(chunk, k) for k in kinds}
         grads = store.chunk_view(chunk, GRAD)
         first = lay.chunk_first_piece[chunk]
-        pieces = [(param, views[kinds[0]][a:b], grads[a:b], store.steps[first + j], {k: views[k][a:b] for k in kinds[1:]})
+        pieces = [(param, views[kinds[0]][a:b], grads[a:b], store.steps[first + j],
+                   {k: views[k][a:b] for k in kinds[1:]})
                   for j, (param, a, b) in enumerate(lay.chunk_pieces[chunk])]
-        return cls(chunk, lay.segments[seg].group, pages, [store.pages[p] for p in pages], [undo[i] for i in range(len(pages))],
-                   copies, tier1, tier2, first, len(pieces), pieces, kinds[1:])
+        return cls(chunk, lay.segments[seg].group, pages, [store.pages[p] for p in pages],
+                   [undo[i] for i in range(len(pages))], copies, tier1, tier2, first, len(pieces), pieces, kinds[1:])
 
     def pieces_for(self, skip: frozenset) -> ChunkPieces:
         """The optimizer's view of the chunk; params without a gradient this step left out."""

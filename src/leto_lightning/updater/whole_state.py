@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
@@ -69,13 +69,23 @@ def probe_state(optimizer: torch.optim.Optimizer) -> GenericState:
     return GenericState(tuple(sorted(elementwise)), tuple(sorted(scalars)), has_step="step" in opt.state[probe])
 
 
+@dataclass
+class WholePlan:
+    """The parity side of a whole-state transaction (a ``transaction.ParityDeltas``)."""
+
+    chunk: int
+    pages: list[int]
+    tier1: list[tuple]
+    tier2: list[tuple]
+
+
 class WholeStateTransactions(ChunkTransactions):
     """Prepare, then undo-copy everything, ``optimizer.step()``, parity deltas, commit."""
 
     def __init__(self, store: RetainedStore, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
                  codes: ParityCodes | None = None) -> None:
         super().__init__(store, codes)
-        self._plan_cache: SimpleNamespace | None = None
+        self._plan_cache: WholePlan | None = None
         self.optimizer = optimizer
         self.params = list(params)
 
@@ -88,7 +98,7 @@ class WholeStateTransactions(ChunkTransactions):
             raise RecoveryError(f"whole-state update of iteration {iteration}: chunks at mixed versions "
                                 "(retained state inconsistent); resume from the last checkpoint")
         for group, hp in zip(self.optimizer.param_groups, hparams):  # the settings recorded at prepare
-            group.update({k: v for k, v in hp.items() if not k.startswith("_leto")})
+            group.update(hp)
         pages = list(lay.update_pages)
         self._save_whole_undo(iteration, pages)
         store.chunk_table[:, 1] = UNDO_SAVED
@@ -110,7 +120,7 @@ class WholeStateTransactions(ChunkTransactions):
         store.chunk_table[:, 1] = IDLE
         point("whole.committed", iteration=iteration)
 
-    def _whole_plan(self) -> SimpleNamespace:
+    def _whole_plan(self) -> WholePlan:
         """Old (undo) and new page of every rewritten page with its parity pages, resolved once.
         The tier-2 lock key ``n_chunks`` is the one every rank's whole-state update takes."""
         if self._plan_cache is None:
@@ -122,7 +132,7 @@ class WholeStateTransactions(ChunkTransactions):
                      for i, p in enumerate(pages)] if store.parity1.numel() else []
             tier2 = [(undo[i], store.pages[p], list(store.parity2[int(t2.page_stripe[p])]))
                      for i, p in enumerate(pages)] if store.parity2 is not None else []
-            self._plan_cache = SimpleNamespace(chunk=lay.n_chunks, pages=pages, tier1=tier1, tier2=tier2)
+            self._plan_cache = WholePlan(lay.n_chunks, pages, tier1, tier2)
         return self._plan_cache
 
     def _optimizer_step(self, skip_params) -> None:

@@ -103,5 +103,6 @@ def check_matrix(matrix: np.ndarray, rows: int, cols: int) -> np.ndarray:
             raise ConfigurationError(f"coefficients must be integers in 0..255 (numpy uint8), got {arr.dtype}")
         arr = arr.astype(np.uint8)
     if arr.shape != (rows, cols):
-        raise ConfigurationError(f"coefficient matrix has shape {arr.shape}, expected ({rows}, {cols}) for the pages given")
+        raise ConfigurationError(f"coefficient matrix has shape {arr.shape}, expected ({rows}, {cols}) "
+                                 "for the pages given")
     return arr

@@ -53,12 +53,12 @@ def _dot_row(row: np.ndarray, srcs: Sequence[torch.Tensor], dst: torch.Tensor, t
     for bit in range(top, -1, -1):
         users = np.nonzero((row >> bit) & 1)[0]
         if bit == top:
-            dst.copy_(srcs[users[0]])
+            dst.copy_(srcs[int(users[0])])
             users = users[1:]
         else:
             _xtime(dst, dst, tmp)
         for i in users:
-            dst.bitwise_xor_(srcs[i])
+            dst.bitwise_xor_(srcs[int(i)])
 
 
 def _mad_block(
@@ -72,7 +72,7 @@ def _mad_block(
             _xtime(current, power, tmp)
             current = power
         for j in np.nonzero((coeffs >> bit) & 1)[0]:
-            dsts[j].bitwise_xor_(current)
+            dsts[int(j)].bitwise_xor_(current)
 
 
 class TorchEngine(ErasureEngine):

@@ -74,11 +74,12 @@ class _Server:
         return {"share": buf.share}
 
     def _alloc_cuda(self, name: str, nbytes: int) -> _Buffer:
-        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.device))
+        index = int(self.device)  # a CUDA index: CudaStateManager.start made it an int
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
         ipc = tensor.untyped_storage()._share_cuda_()  # event recorded after the zero fill
         torch.UntypedStorage._release_ipc_counter_cuda(ipc[4], ipc[5])  # see the module docstring
-        torch.cuda.synchronize(self.device)
-        share = {"kind": "cuda", "name": name, "nbytes": nbytes, "ipc": ipc, "uuid": gpu_uuid(self.device)}
+        torch.cuda.synchronize(index)
+        share = {"kind": "cuda", "name": name, "nbytes": nbytes, "ipc": ipc, "uuid": gpu_uuid(index)}
         return _Buffer(nbytes, share, tensor)
 
     @staticmethod
