@@ -6,8 +6,8 @@ package's own modules. A module that works only when something else was imported
 passes every test that happens to import in the "right" order, and fails for a user who
 writes ``import leto_lightning.integrations.lightning.callback``.
 
-Cheap: one interpreter preloads torch and other slow third-party imports (no Lightning, nothing of this package) and forks one
-child per module; each child starts with only the standard library and torch in
+Cheap: one interpreter preloads torch and other slow third-party imports (no Lightning, nothing of
+this package) and forks one child per module; each child starts with only the standard library and torch in
 ``sys.modules`` (plus those) and imports its module first.
 """
 

@@ -61,7 +61,8 @@ def test_a_fit_that_raises_frees_its_retained_memory(error: type[BaseException])
         with pytest.raises(SystemExit if error is KeyboardInterrupt else error):
             trainer.fit(model, *dataloaders())
         return {"job": trainer.strategy.job_id, "step": trainer.global_step, "left": _left(trainer),
-                "mapped": sorted(set(_mapped_leto_segments()) - set(inherited)), "usable": bool(torch.isfinite(model.head.weight.sum()))}
+                "mapped": sorted(set(_mapped_leto_segments()) - set(inherited)),
+                "usable": bool(torch.isfinite(model.head.weight.sum()))}
 
     out = run_in_child(child).value
     assert out["job"] and out["step"] == 4

@@ -109,7 +109,8 @@ def loaders() -> tuple[DataLoader, DataLoader]:
     g = torch.Generator().manual_seed(5)
     x = torch.randn(48, 8, generator=g)
     y = x.sum(1, keepdim=True) + 0.1 * torch.randn(48, 1, generator=g)
-    train = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    train = DataLoader(TensorDataset(x[:40], y[:40]), batch_size=4, shuffle=True,
+                       generator=torch.Generator().manual_seed(3))
     return train, DataLoader(TensorDataset(x[40:], y[40:]), batch_size=4)
 
 
@@ -184,8 +185,9 @@ def automatic_workflow(strategy: str, root: str) -> dict:
     out["validate"] = tr.validate(model, val, ckpt_path="last", verbose=False)
     out["predict"] = torch.cat(tr.predict(model, val, ckpt_path="best"))
     out["loaded"] = weights(Net.load_from_checkpoint(best.best_model_path))
-    tuner = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False, default_root_dir=root,
-                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    tuner = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                       default_root_dir=root, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False)
     seeded()
     found = Tuner(tuner).lr_find(Net(), train, val, num_training=12, min_lr=1e-4, max_lr=0.5, early_stop_threshold=None)
     out["lr_find"] = found.results

@@ -20,6 +20,7 @@ explicitly: ``MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -160,7 +161,7 @@ def test_two_ranks_match_ddp(tmp_path, job: str) -> None:
 def ups_and_downs(scales: dict) -> tuple[int, int]:
     """How often the scale grew and how often it backed off (an overflow), batch to batch."""
     series = [float.fromhex(s) for s, _ in scales.values()]
-    pairs = list(zip(series, series[1:]))
+    pairs = list(itertools.pairwise(series))
     return sum(b > a for a, b in pairs), sum(b < a for a, b in pairs)
 
 

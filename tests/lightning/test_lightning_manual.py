@@ -82,7 +82,8 @@ def test_manual_optimization_without_faults_equals_lightning(reference, job: str
 @pytest.mark.parametrize("kill_at, kind, rolled_back", [
     (KillPoint("whole.math_done", 7), "batch_end", True),  # mid-update of step 7 (epoch 1)
     (KillPoint("test.after_step", 4), "batch_end", True),  # committed, user code after opt.step()
-    (KillPoint("seal.begin", 8), "validation_end", True),  # step 6, the first after a validation (seals: start, 5 steps, validation)
+    # step 6, the first after a validation (seals: start, 5 steps, validation)
+    (KillPoint("seal.begin", 8), "validation_end", True),
     (KillPoint("record.half_written", 3 * 3 + 2), "batch_end", True),  # torn seal of step 3
     (KillPoint("seal.recorded", 9), "batch_end", False),  # sealed: kept
     (KillPoint("prepare.begin", 1), "start", False),  # before the first update

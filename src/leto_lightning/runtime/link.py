@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
 
 from ..errors import LetoTimeoutError
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
-from .session import Session, init
+from .session import Session, SessionEnv, init
 
 _SESSION: Session | None = None
 _IMPORTED_AT = time.time()
@@ -76,7 +77,7 @@ class RuntimeLink:
         return self.session
 
     @property
-    def env(self):
+    def env(self) -> SessionEnv:
         return self.connect().env
 
     @property
@@ -173,8 +174,6 @@ class RuntimeLink:
         return store.get(key).decode() if store.check([key]) else None
 
     def wait_value(self, key: str, timeout_s: float = 600.0) -> str:
-        from datetime import timedelta
-
         store = self.connect().store
         deadline = time.time() + timeout_s
         while True:

@@ -174,7 +174,7 @@ class LetoAccelerator(Accelerator):
     def _ranks(self) -> dict[str, int]:
         env = os.environ
         return {"rank": self.process_index, "local_rank": self.local_process_index,
-                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", self.num_processes)),
+                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", str(self.num_processes))),
                 "node": int(env.get("GROUP_RANK", env.get(NODE_RANK, "0")))}
 
     def _barrier(self) -> Callable[[], None] | None:
@@ -196,7 +196,7 @@ class LetoAccelerator(Accelerator):
             link.update_start(ro.iteration)
         self._train_loader = self._last_loader
         loss = ro.step(closure)
-        ro.optimizer._opt_called = True  # what the LR scheduler's step wrapper would set
+        ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
         self.leto_state.stepped()
         if link is not None:
             link.step_done(ro.iteration - 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
@@ -33,6 +33,13 @@ _RUNTIME = list(dataclasses.fields(LetoRuntimeOptions))
 
 class _LetoConfigBase:
     """Methods of ``LetoConfig`` (its fields are made from the two option classes below)."""
+
+    if TYPE_CHECKING:  # the fields are made at run time (``make_dataclass`` below)
+        rollback_window: bool
+        shadow_level: Any
+        heartbeat_interval: float
+
+        def __init__(self, **fields: Any) -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_window, bool):
@@ -80,8 +87,8 @@ def _parse(name: str, text: str, current: Any) -> Any:
     return text
 
 
-def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    out = []
+def _fields() -> list[tuple[str, Any, Any]]:
+    out: list[tuple[str, Any, Any]] = []
     for f in [*_RETAINED, *_RUNTIME]:
         default = f.default if f.default is not dataclasses.MISSING else None
         out.append((f.name, Any, dataclasses.field(default=default)))
@@ -89,8 +96,10 @@ def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     return out
 
 
-LetoConfig = dataclasses.make_dataclass(
-    "LetoConfig", _fields(), bases=(_LetoConfigBase,), frozen=True)
+if TYPE_CHECKING:
+    LetoConfig = _LetoConfigBase
+else:
+    LetoConfig = dataclasses.make_dataclass("LetoConfig", _fields(), bases=(_LetoConfigBase,), frozen=True)
 LetoConfig.__module__ = __name__
 LetoConfig.__doc__ = (
     "Leto's options for ``LetoAccelerator`` (module doc): every ``RetainedConfig`` field "

@@ -52,6 +52,6 @@ class LetoAcceleratedOptimizer(AcceleratedOptimizer):
             self.scaler.update()
         finally:
             self.optimizer.step = self._optimizer_original_step_method
-        self._is_overflow = not self._accelerate_step_called
+        self._is_overflow = not self._accelerate_step_called  # type: ignore[has-type]  # set by Accelerate's patch
         self._accelerate_step_called = False
         return None

@@ -41,6 +41,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
+from ...console import notice
 from ...runtime.contract import NO_SUPERVISE
 from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
@@ -82,8 +83,8 @@ def supervise(argv: list[str], script: str) -> None:
     """Replace this process by ``leto launch`` running the same script: this process becomes the
     agent (the ranks' supervisor), so the outer launcher never sees a rank die."""
     command = "leto " + " ".join(argv[2 : argv.index(script)])
-    print(f"[leto] LetoStrategy: re-running this script under `{command}` (Lightning's launcher would stop "
-          "every rank when one fails; set LETO_NO_SUPERVISE=1 to refuse instead)", flush=True)
+    notice(f"LetoStrategy: re-running this script under `{command}` (Lightning's launcher would stop every rank "
+           f"when one fails; set {NO_SUPERVISE}=1 to refuse instead)")
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *argv])
 

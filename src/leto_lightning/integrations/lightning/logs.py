@@ -39,12 +39,15 @@ from __future__ import annotations
 import csv
 import os
 import time
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from ...console import say
 from ...runtime.contract import RESUME, ResumeMode
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
 from .tensorboard_logs import TensorBoardContinuity
@@ -56,6 +59,7 @@ VERSION_KEY = "lightning/logger{index}/version"
 CKPT_STEP_KEY = "lightning/newest_checkpoint_step"
 WANDB_FLUSH_ENV = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"  # wandb's x_transaction_log_flush_interval
 WANDB_FLUSH_S = 1.0
+_COUNTING: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()  # row-counting wrappers of CSVLogger.log_metrics
 
 
 def wandb_group(run_dir: str) -> str:
@@ -95,6 +99,7 @@ class LogKeeper:
         resumes = link is not None and link.resumes
         if link is not None:  # the logs go on from a payload
             continues = resumes or os.environ.get(RESUME) == ResumeMode.CHECKPOINT
+        logger: Any  # Lightning's loggers: their private _version, _experiment, _wandb_init are read here
         for index, logger in enumerate(trainer.loggers):
             if link is not None and getattr(logger, "_version", "") is None:
                 key = VERSION_KEY.format(index=index)
@@ -124,7 +129,7 @@ class LogKeeper:
 
     def _count_rows(self, index: int, logger: CSVLogger) -> None:
         self.rows.setdefault(index, 0)
-        if getattr(logger, "_leto_counted", False):
+        if logger.log_metrics in _COUNTING:  # wrapped once already (the mark is on our wrapper, not the logger)
             return
         log_metrics = logger.log_metrics
 
@@ -132,8 +137,8 @@ class LogKeeper:
             log_metrics(metrics, step)
             self.rows[index] = self.rows.get(index, 0) + 1
 
-        logger.log_metrics = counted  # type: ignore[method-assign]
-        logger._leto_counted = True
+        _COUNTING.add(counted)
+        logger.log_metrics = counted  # type: ignore[method-assign]  # an instance attribute over the method
 
     # -- the resume payload ----------------------------------------------------------------
     def state(self, trainer: pl.Trainer, kind: str) -> dict[str, Any] | None:
@@ -154,7 +159,8 @@ class LogKeeper:
         logs = (payload or {}).get("logs") or {}
         rows = logs.get("csv_rows", {})
         for index in sorted(self.kept):
-            self.rows[index] = _truncate(trainer.loggers[index].experiment, rows.get(index, 0))
+            csv_logger: Any = trainer.loggers[index]  # a CSVLogger (kept holds only those)
+            self.rows[index] = _truncate(csv_logger.experiment, rows.get(index, 0))
         self.kept.clear()
         boards = logs.get("tensorboard", {})
         for index in sorted(self.tb_kept):
@@ -235,14 +241,15 @@ class LogKeeper:
             time.sleep(0.05)
         self.log_recoveries(trainer)
         table = summary_table(self.reader.events, now=time.time())
-        print(table, flush=True)
+        say(table)  # the user-facing summary of the job's recoveries
         return table
 
 
 def pending_step_metrics(trainer: pl.Trainer) -> dict[str, Any] | None:
     """What ``update_train_step_metrics`` will log after this batch (None: nothing)."""
     connector = trainer._logger_connector
-    if trainer.fit_loop._should_accumulate() or not (connector.should_update_logs or trainer.fast_dev_run):
+    fast_dev_run = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's init
+    if trainer.fit_loop._should_accumulate() or not (connector.should_update_logs or fast_dev_run):
         return None
     if trainer._results is None or connector._first_loop_iter is None:
         return None

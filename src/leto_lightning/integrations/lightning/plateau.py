@@ -24,6 +24,7 @@ What LetoStrategy does about it:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +63,9 @@ def plateau_due(trainer: pl.Trainer) -> list[tuple[int, str]]:
     return due
 
 
-def apply_due(trainer: pl.Trainer, payload: dict[str, Any], step_schedulers) -> dict[str, Any]:
+def apply_due(trainer: pl.Trainer, payload: dict[str, Any],
+              step_schedulers: Callable[[pl.Trainer, dict[str, Any], list[tuple[int, Any]]], dict[str, Any]]
+              ) -> dict[str, Any]:
     """Take the plateau steps a batch-end payload owes (module doc); returns a new payload.
     ``step_schedulers(trainer, out, [(index, metric)])`` steps them on the real schedulers."""
     configs = trainer.lr_scheduler_configs

@@ -73,7 +73,8 @@ class _RetainedStepProxy:
     def __repr__(self) -> str:
         return f"LetoRetainedStep({self._leto_optimizer!r})"
 
-    def __reduce__(self):  # never pickle the proxy: pickle what it stands for
+    def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
+        # never pickle the proxy: pickle what it stands for
         return (_identity, (self._leto_optimizer,))
 
 

@@ -51,7 +51,7 @@ def rng_states() -> dict[str, Any]:
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy is optional
-        np = None
+        np = None  # type: ignore[assignment]  # numpy is optional
     if np is not None:
         name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
         states["numpy"] = (str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached_gaussian))
@@ -126,7 +126,7 @@ def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "callbacks": callbacks,
         "precision": trainer.precision_plugin.state_dict(),
-        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
+        "datamodule": _datamodule_state(trainer),
         "buffers": non_parameter_state(module),
         "loops": None if kind == "start" else {"fit_loop": loop_state_dict(trainer.fit_loop)},
         "due_schedulers": schedulers_due(trainer) if kind == "prepare" else [],
@@ -137,6 +137,11 @@ def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
     keeper = getattr(trainer.strategy, "logs", None)  # loggers across processes (logs.py), under leto launch
     payload["logs"] = keeper.state(trainer, kind) if keeper is not None else None
     return payload
+
+
+def _datamodule_state(trainer: pl.Trainer) -> Any:
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+    return datamodule.state_dict() if datamodule is not None else None
 
 
 def schedulers_due(trainer: pl.Trainer) -> list[int]:
@@ -193,7 +198,8 @@ def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
 def settle_rerun_validation(trainer: pl.Trainer) -> None:
     """After a validation ``resume_into_validation`` made Lightning run: the epoch's total
     validation counters as an uninterrupted run has them (see there)."""
-    total = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+    # Typed as a _ReadyCompletedTracker; the validation loop's counts ``started`` too.
+    total: Any = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
     if total.ready == total.started == total.completed + 1:
         total.ready -= 1
         total.started -= 1
@@ -233,7 +239,7 @@ def step_schedulers(trainer: pl.Trainer, out: dict[str, Any], steps: list[tuple[
     configs = trainer.lr_scheduler_configs
     for config, state in zip(configs, out["lr_schedulers"]):
         config.scheduler.load_state_dict(state)
-    optimizer._opt_called = True  # the step did happen (torch warns otherwise)
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # the step did happen (torch warns otherwise)
     out["loops"] = copy.deepcopy(out["loops"])
     for i, metric in steps:
         trainer.lightning_module.lr_scheduler_step(configs[i].scheduler, metric)
@@ -319,7 +325,8 @@ def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dic
         ckpt["loops"] = payload["loops"]
     if payload["precision"]:
         ckpt[type(trainer.precision_plugin).__qualname__] = payload["precision"]
-    if payload["datamodule"] is not None and trainer.datamodule is not None:
-        ckpt[type(trainer.datamodule).__qualname__] = payload["datamodule"]
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+    if payload["datamodule"] is not None and datamodule is not None:
+        ckpt[type(datamodule).__qualname__] = payload["datamodule"]
     ckpt["leto"]["rng"] = payload["rng"]
     return ckpt

@@ -56,7 +56,9 @@ class TensorBoardContinuity:
         keeper = getattr(logger, "_leto_continuity", None)
         if keeper is None:
             keeper = cls(logger)
-            logger._leto_continuity = keeper
+            # On the logger itself, not in a registry: it must travel with it when the trainer is
+            # pickled or copied (its log_metrics wrappers refer to it).
+            logger._leto_continuity = keeper  # type: ignore[attr-defined]
         return keeper
 
     def _track(self, metrics: Any, step: int | None) -> None:
