@@ -27,10 +27,12 @@ from typing import TextIO
 
 import torch.distributed as dist
 
+from ..console import notice, say
 from ..errors import ConfigurationError
 from ..retained.shm import new_job_id, unlink_segments
 from . import auth, control, rundir, worker_env
 from .config import RuntimeConfig
+from .contract import ResumeMode
 from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
@@ -90,9 +92,9 @@ class Agent:
         # The agent's own tensor work (roll-forward, repair) must not fight the trainers for
         # cores: measured 2.8 s vs 0.2 s for one repair on a loaded 2-core machine.
         torch.set_num_threads(1)
-        notice = worker_env.omp_notice(self.thread_defaults)
-        if notice is not None:  # torchrun's notice, once per launch
-            print(notice, file=self.out, flush=True)
+        omp = worker_env.omp_notice(self.thread_defaults)
+        if omp is not None:  # torchrun's notice, once per launch
+            say(omp, self.out)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             parts = self._parts = self._assemble(self._start_store())
@@ -100,19 +102,19 @@ class Agent:
             self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
                              job_id=self.job.job_id, node_rank=self.spec.node_rank, script=self.spec.script,
                              pid=os.getpid())
-            parts.trainers.start_actives(resume="")
+            parts.trainers.start_actives(resume=ResumeMode.FRESH)
             parts.trainers.start_shadows()
             self._phase.advance(JobPhase.RUNNING)
             return self._loop(parts)
         except JobInterrupted as exc:
             self._phase.advance(JobPhase.INTERRUPTED)
             self.events.try_emit("job_interrupted", self.job.generation, signal=exc.signum)
-            print(f"[leto] job {exc}: trainers stopped, retained memory freed", file=self.out, flush=True)
+            notice(f"job {exc}: trainers stopped, retained memory freed", self.out)
             return 128 + exc.signum
         except (JobStopped, StorageError) as exc:  # a full run dir: no restart can help
             self._phase.advance(JobPhase.STOPPED)
             self.events.try_emit("job_stopped", self.job.generation, reason=str(exc))
-            print(f"[leto] job stopped: {exc}", file=self.out, flush=True)
+            notice(f"job stopped: {exc}", self.out)
             return 3
         finally:
             self._shutdown()

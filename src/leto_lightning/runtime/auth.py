@@ -24,11 +24,12 @@ import stat
 import time
 
 from ..errors import ConfigurationError, LetoTimeoutError
+from .contract import AUTH_KEY
+from .contract import SECRET as SECRET_ENV
+from .contract import SECRET_FILE as SECRET_FILE_ENV
 
-SECRET_ENV = "LETO_SECRET"
-SECRET_FILE_ENV = "LETO_SECRET_FILE"
 SHARED_FILE_GRACE_S = 10.0  # how long node 0's RUN_DIR/job.secret may take to appear on a shared filesystem
-CHILD_ENV = "LETO_AUTH_KEY"  # what the agent gives its trainers (hex)
+CHILD_ENV = AUTH_KEY  # what the agent gives its trainers (hex)
 SECRET_FILE = "job.secret"
 FINGERPRINT_KEY = "auth/fingerprint"
 MIN_SECRET = 16

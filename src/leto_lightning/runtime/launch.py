@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     return Agent(spec, config, reclaim=reclaim.config_from_args(args)).run()
 
 
-FAULT_KEYS = {"id", "rank", "point"}  # what every injected fault names (session.FaultInjector)
+FAULT_KEYS = {"id", "rank", "point"}  # what every injected fault names (faults/injector.py)
 
 
 def parse_faults(text: str) -> list[dict]:

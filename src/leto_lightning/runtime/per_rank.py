@@ -49,7 +49,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+from ..console import notice
 from ..errors import UsageError
+from .contract import FAULTS, NO_SUPERVISE, RUN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def from_torchrun(env: Mapping[str, str] = os.environ) -> RankLaunch:
         launcher, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
         local_world_size=int(env["LOCAL_WORLD_SIZE"]), node_rank=int(env["GROUP_RANK"]),
         master_addr=env["MASTER_ADDR"], master_port=int(port), external_store=shared,
-        store_prefix=f"leto/{run_id}/{restart}" if shared else "", run_dir=env.get("LETO_RUN_DIR") or default_dir)
+        store_prefix=f"leto/{run_id}/{restart}" if shared else "", run_dir=env.get(RUN_DIR) or default_dir)
 
 
 def from_slurm(rank: int, world_size: int, local_rank: int, local_world_size: int, node_rank: int,
@@ -101,13 +103,13 @@ def from_slurm(rank: int, world_size: int, local_rank: int, local_world_size: in
     return RankLaunch("srun", rank=rank, world_size=world_size, local_rank=local_rank,
                       local_world_size=local_world_size, node_rank=node_rank, master_addr=master_addr,
                       master_port=master_port, external_store=False, store_prefix="",
-                      run_dir=env.get("LETO_RUN_DIR") or default_dir)
+                      run_dir=env.get(RUN_DIR) or default_dir)
 
 
 def with_job_tag(launch: RankLaunch, tag: str, env: Mapping[str, str] = os.environ) -> RankLaunch:
     """A run id of ``none`` made unique per job: ``none-<tag>`` in the store prefix and run dir."""
     restart = launch.store_prefix.rsplit("/", 1)[-1] if launch.store_prefix else "0"
-    run_dir = env.get("LETO_RUN_DIR") or os.path.join(
+    run_dir = env.get(RUN_DIR) or os.path.join(
         "leto-runs", f"{launch.launcher}-{tag}-{launch.master_port}" + (f"-restart{restart}" if restart != "0" else ""))
     prefix = f"leto/none-{tag}/{restart}" if launch.external_store else ""
     return replace(launch, store_prefix=prefix, run_dir=run_dir)
@@ -169,8 +171,8 @@ def agent_argv(launch: RankLaunch, shadow_level: int, heartbeat_timeout: float, 
             "--shadow-level", str(shadow_level), "--heartbeat-timeout", str(heartbeat_timeout)]
     if launch.external_store:
         argv += ["--external-store", "--store-prefix", launch.store_prefix]
-    if env.get("LETO_FAULTS"):  # injected faults (tests): the agent hands them to its trainers
-        argv += ["--faults", env["LETO_FAULTS"]]
+    if env.get(FAULTS):  # injected faults (tests): the agent hands them to its trainers
+        argv += ["--faults", env[FAULTS]]
     return [*argv, script, *args]
 
 
@@ -188,7 +190,7 @@ def check_script(launch: RankLaunch, script: str | None, who: str, env: Mapping[
             f"{who} under {launch.launcher}: each rank's process becomes that rank's Leto agent, which re-runs the "
             f"script file -- start it as `{start_command(launch.launcher)}` (not with {flags}), or use `leto launch "
             f"--nproc-per-node {launch.local_world_size} train.py`")
-    if env.get("LETO_NO_SUPERVISE") == "1":
+    if env.get(NO_SUPERVISE) == "1":
         raise UsageError(
             f"{who} under {launch.launcher} with LETO_NO_SUPERVISE=1: {launch.launcher} stops every rank when one "
             "fails, which is the failure Leto recovers from in place; unset LETO_NO_SUPERVISE (each rank then "
@@ -213,8 +215,8 @@ def become_rank_agent(launch: RankLaunch, script: str | None, who: str, shadow_l
     launch = resolve(launch)
     argv = agent_argv(launch, shadow_level, heartbeat_timeout, script, sys.argv[1:])
     if launch.rank == 0:
-        print(f"[leto] {who} under {launch.launcher}: each rank becomes its own supervisor (`leto launch "
-              f"--nproc-per-node 1 --nnodes {launch.world_size} ...`, run dir {launch.run_dir})", flush=True)
+        notice(f"{who} under {launch.launcher}: each rank becomes its own supervisor (`leto launch "
+               f"--nproc-per-node 1 --nnodes {launch.world_size} ...`, run dir {launch.run_dir})")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *argv])

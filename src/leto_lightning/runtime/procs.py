@@ -11,6 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .contract import Role
+
 TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say why it failed
 
 
@@ -18,7 +20,7 @@ TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say 
 class TrainerProcess:
     rank: int
     local_rank: int
-    role: str  # "active" or "shadow"
+    role: Role
     generation: int
     shadow_set: str  # "<generation>-<replacement>" of a shadow's set ("" for an active trainer's start)
     popen: subprocess.Popen
@@ -61,13 +63,13 @@ class TrainerProcess:
         return (code, None) if code >= 0 else (None, -code)
 
 
-def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: str, generation: int,
+def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: Role, generation: int,
           shadow_set: str, out=None) -> TrainerProcess:
     """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
     popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)
     proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
-    prefix = f"[rank {rank} {role} g{generation}] "
+    prefix = f"[rank {rank} {role.value} g{generation}] "
     proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout, proc.tail), daemon=True)
     proc._pump.start()
     return proc

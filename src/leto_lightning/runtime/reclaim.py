@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from ..console import notice
 from ..errors import ConfigurationError
 from . import keys
 from .config import RuntimeConfig
@@ -203,8 +204,8 @@ class ShadowReclaimer:
             self.events.emit("memory_over_budget", self.job.generation, level=int(self.level),
                              reclaim=self.config.enabled, **self.figures(sample))
             log.warning("job over its memory budget: %s", self.figures(sample))
-            print(f"[leto] warning: memory over the limit ({sample.source}): {sample.used >> 20} MiB used of "
-                  f"{sample.limit >> 20} MiB", file=self.out, flush=True)
+            notice(f"warning: memory over the limit ({sample.source}): {sample.used >> 20} MiB used of "
+                   f"{sample.limit >> 20} MiB", self.out)
         self._over = over
 
     def _apply(self, change: LevelChange, sample: MemorySample) -> None:
@@ -216,11 +217,9 @@ class ShadowReclaimer:
         self.events.emit("shadow_level_changed", self.job.generation, old=int(change.old), new=int(change.new),
                          reason=change.reason, **figures)
         if change.new == ShadowLevel.NONE:
-            print(f"[leto] memory: running WITHOUT a shadow ({change.reason}): a failure now means a cold start",
-                  file=self.out, flush=True)
+            notice(f"memory: running WITHOUT a shadow ({change.reason}): a failure now means a cold start", self.out)
             return
-        print(f"[leto] memory: shadow level L{int(change.old)} -> L{int(change.new)} ({change.reason})",
-              file=self.out, flush=True)
+        notice(f"memory: shadow level L{int(change.old)} -> L{int(change.new)} ({change.reason})", self.out)
         t.start_shadows(replacement=count)
 
     def close(self) -> None:

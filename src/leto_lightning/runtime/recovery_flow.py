@@ -27,11 +27,13 @@ import time
 from collections import deque
 from typing import Any, TextIO
 
+from ..console import notice
 from ..errors import RetainedStateError
 from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
 from . import keys
 from .classify import Failure, classify, device_health
 from .config import RuntimeConfig
+from .contract import ResumeMode
 from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
@@ -94,8 +96,7 @@ class Recovery:
         verdict = self._job_verdict(failure)
         self.events.emit("classification", gen, rank=failure.rank, hof=verdict.hof, reason=verdict.reason,
                          device=verdict.device, node=verdict.node)
-        print(f"[leto] {failure.describe()}: {'HOF' if verdict.hof else 'not a HOF'} ({verdict.reason})",
-              file=self.out, flush=True)
+        notice(f"{failure.describe()}: {'HOF' if verdict.hof else 'not a HOF'} ({verdict.reason})", self.out)
         self._stop_on_repeated_startup_failure(failure)
         if verdict.stop:
             raise JobStopped(f"{failure.describe()}: {verdict.reason}")
@@ -224,7 +225,7 @@ class Recovery:
             self.events.emit("shadows_promoted", gen, shadow_set=t.shadow_set)
             return "shadow"
         t.stop_shadows()
-        t.start_actives(resume="retained")
+        t.start_actives(resume=ResumeMode.RETAINED)
         self.events.emit("cold_start", gen, reason="no ready shadow set: new trainers attach to retained state")
         return "cold"
 
@@ -277,9 +278,8 @@ class Recovery:
         self._advance(Phase.IDLE)
         if self.config.defer_shadow_restart:
             self.trainers.start_shadows()
-        print(f"[leto] recovered in place (generation {gen}): resumed at iteration "
-              f"{rec.resume_iteration}, {total:.2f} s to the first iteration after the failure {breakdown}",
-              file=self.out, flush=True)
+        notice(f"recovered in place (generation {gen}): resumed at iteration {rec.resume_iteration}, "
+               f"{total:.2f} s to the first iteration after the failure {breakdown}", self.out)
 
     def _close_interrupted(self) -> None:
         """A failure before every rank's first iteration after resuming: the recovery's books
@@ -297,11 +297,11 @@ class Recovery:
         self._advance(Phase.RESTARTING)
         gen = self.job.next_generation()
         self.events.emit("fallback_checkpoint", gen, reason=reason)
-        print(f"[leto] restarting from the last checkpoint: {reason}", file=self.out, flush=True)
+        notice(f"restarting from the last checkpoint: {reason}", self.out)
         self.trainers.stop_all()
         self._books = None
         unlink_segments(self.job.job_id)
         self.job.replace_job_id(self.lockstep.shared_job_id(new_job_id()))
-        self.trainers.start_actives(resume="checkpoint")
+        self.trainers.start_actives(resume=ResumeMode.CHECKPOINT)
         self.trainers.start_shadows()
         return None

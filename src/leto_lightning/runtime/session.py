@@ -20,23 +20,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError, LetoTimeoutError
-from ..faults.points import point, set_hook
+from ..errors import ConfigurationError, LetoTimeoutError, UsageError
+from ..faults.injector import FaultInjector
+from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 from .auth import CHILD_ENV
+from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
 from .control import SignedStore
 from .keys import (
     EXCEPTION,
@@ -57,9 +59,10 @@ from .storage import atomic_torch_save
 
 @dataclass
 class SessionEnv:
-    """What the launcher put in the environment."""
+    """What the launcher put in the environment: torchrun's variables and Leto's contract
+    (``runtime/contract.py``). ``generation`` moves on when a shadow is promoted."""
 
-    role: str
+    role: Role
     rank: int
     world_size: int
     local_rank: int
@@ -72,25 +75,24 @@ class SessionEnv:
     generation: int
     shadow_set: str  # "<generation>-<replacement>": the same on every node
     level: int
-    resume: str  # "" (fresh), "retained" (cold promotion), "checkpoint"
+    resume: ResumeMode
     faults: list = field(default_factory=list)
 
     @classmethod
-    def from_environ(cls, env=os.environ) -> SessionEnv:
-        missing = [k for k in ("LETO_ROLE", "RANK", "WORLD_SIZE", "MASTER_PORT", "LETO_JOB_ID") if k not in env]
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> SessionEnv:
+        missing = [k for k in (ROLE, "RANK", "WORLD_SIZE", "MASTER_PORT", JOB_ID) if k not in env]
         if missing:
-            raise RuntimeError(f"not started by `leto launch` (missing {', '.join(missing)}); run the script with "
-                               "`leto launch --nproc-per-node N script.py`")
+            raise UsageError(f"not started by `leto launch` (missing {', '.join(missing)}); run the script with "
+                             "`leto launch --nproc-per-node N script.py`")
+        c = WorkerContract.from_env(env)
         return cls(
-            role=env["LETO_ROLE"], rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            role=c.role, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
             local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-            node=int(env.get("GROUP_RANK", env.get("LETO_NODE_RANK", "0"))),
+            node=int(env["GROUP_RANK"]) if "GROUP_RANK" in env else c.node_rank,
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
-            job_id=env["LETO_JOB_ID"], run_dir=env.get("LETO_RUN_DIR", "."),
-            generation=int(env.get("LETO_GENERATION", "0")), shadow_set=env.get("LETO_SHADOW_SET", "0"),
-            level=int(env.get("LETO_SHADOW_LEVEL", "3")), resume=env.get("LETO_RESUME", ""),
-            faults=json.loads(env.get("LETO_FAULTS", "[]")),
+            job_id=c.job_id, run_dir=c.run_dir, generation=c.generation, shadow_set=c.shadow_set,
+            level=c.shadow_level, resume=c.resume, faults=[dict(f) for f in c.faults],
         )
 
 
@@ -101,14 +103,14 @@ class Session:
         self.rank = env.rank
         self.world_size = env.world_size
         self.promoted_at: float | None = None
-        self.pg_name = f"s{env.shadow_set}" if env.role == "shadow" else f"g{env.generation}"
+        self.pg_name = f"s{env.shadow_set}" if env.role is Role.SHADOW else f"g{env.generation}"
         self._iteration = -1
         self._install_exception_reporter()
-        FaultInjector(self).install()
+        FaultInjector(env.faults, _SessionFaults(self)).install()
 
     @property
     def is_shadow(self) -> bool:
-        return self.env.role == "shadow" and self.promoted_at is None
+        return self.env.role is Role.SHADOW and self.promoted_at is None
 
     # -- shadow waiting ---------------------------------------------------------------
     def signal_ready(self) -> None:
@@ -126,7 +128,7 @@ class Session:
                 break
             except LetoTimeoutError:  # not promoted yet; any other error: the agent is gone, nothing to shadow
                 continue
-        info = json.loads(self.store.get(key))
+        info = json.loads(self.store.get(key))  # {"generation": g}: written by Trainers.promote_shadows
         self.env.generation = int(info["generation"])
         self.promoted_at = time.time()
 
@@ -150,7 +152,7 @@ class Session:
         t0 = time.time()
         if self.is_shadow and self.env.level < 3:
             self.wait_for_promotion()
-        if self.env.role == "active" and self.env.resume != "retained":
+        if self.env.role is Role.ACTIVE and self.env.resume is not ResumeMode.RETAINED:
             ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
             return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
         self._wait_for_store()
@@ -230,7 +232,7 @@ class Session:
 
     @property
     def resume_from_checkpoint(self) -> bool:
-        return self.env.resume == "checkpoint"
+        return self.env.resume is ResumeMode.CHECKPOINT
 
     def checkpoint_path(self) -> str:
         return os.path.join(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")
@@ -295,47 +297,31 @@ class ProtectedTraining:
         self.session.mark_finished()
 
 
-class FaultInjector:
-    """Faults from ``LETO_FAULTS`` (tests, benchmarks, demo): a real SIGKILL of this process at
-    a named point of a given iteration on a given rank. Each fault fires once per job.
-
-    A fault is ``{"id", "rank", "point", "iteration" (omit: any), "occurrence" (default 1),
-    "action": "kill" (default) | "exit", "code", "signal" (what to kill with, e.g. 7 = SIGBUS),
-    "wait_shadows" (strike only once the shadow set is ready: the steady state of a long job; a
-    string: once that shadow set, e.g. "0-1", is the ready one),
-    "generation" (omit: any)}``.
-    """
+class _SessionFaults:
+    """The session as the fault injector's ``FaultTarget`` (``faults/injector.py``): faults
+    strike active trainers only; whether one fired is kept in the job's store."""
 
     def __init__(self, session: Session) -> None:
-        self.session = session
-        mine = [f for f in session.env.faults if f.get("rank") == session.rank]
-        self.pending = [f for f in mine if not session.store.check([FAULT_FIRED.format(id=f["id"])])]
-        self.counts: dict = {}
+        self._session = session
 
-    def install(self) -> None:
-        if self.pending:
-            set_hook(self)
+    @property
+    def rank(self) -> int:
+        return self._session.rank
 
-    def __call__(self, name: str, context: dict) -> None:
-        if self.session.is_shadow:
-            return
-        it = self.session._iteration
-        gen = self.session.env.generation
-        for f in self.pending:
-            if f["point"] == name and f.get("iteration", it) == it and f.get("generation", gen) == gen:
-                n = self.counts[f["id"]] = self.counts.get(f["id"], 0) + 1
-                fired = FAULT_FIRED.format(id=f["id"])
-                if n == f.get("occurrence", 1) and not self.session.store.check([fired]):
-                    if f.get("wait_shadows"):  # steady state: strike once a shadow set is ready
-                        want = f["wait_shadows"] if isinstance(f["wait_shadows"], str) else None  # that set
-                        while not (ready := self.session.store.get(SHADOWS_READY).decode()) or (
-                                want is not None and ready != want):
-                            time.sleep(0.05)
-                    self.session.store.set(fired, str(time.time()))
-                    if f.get("action", "kill") == "exit":  # e.g. an exit code declared non-HOF
-                        os._exit(int(f.get("code", 1)))
-                    os.kill(os.getpid(), int(f.get("signal", signal.SIGKILL)))  # "signal": e.g. SIGBUS
-                    os.kill(os.getpid(), signal.SIGKILL)  # a signal the process survives
+    def striking(self) -> bool:
+        return not self._session.is_shadow
+
+    def position(self) -> tuple[int, int]:
+        return self._session._iteration, self._session.env.generation
+
+    def fired(self, fault_id: object) -> bool:
+        return self._session.store.check([FAULT_FIRED.format(id=fault_id)])
+
+    def mark_fired(self, fault_id: object) -> None:
+        self._session.store.set(FAULT_FIRED.format(id=fault_id), str(time.time()))
+
+    def ready_shadow_set(self) -> str:
+        return self._session.store.get(SHADOWS_READY).decode()
 
 
 class UnsafeCheckpoint(ConfigurationError):
@@ -384,11 +370,11 @@ def connect(env: SessionEnv, environ=os.environ) -> SignedStore:
                            "`leto launch --nproc-per-node N script.py`")
     store: dist.Store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                       timeout=timedelta(seconds=60))
-    prefix = environ.get("LETO_STORE_PREFIX", "")
+    prefix = environ.get(STORE_PREFIX, "")
     if prefix:  # the agent's keys live in a namespace of a shared store (torchrun's)
         store = dist.PrefixStore(prefix, store)
     return SignedStore(store, bytes.fromhex(environ[CHILD_ENV]), prefix,
-                       _rejection_reporter(env, environ.get("LETO_EVENTS")))
+                       _rejection_reporter(env, environ.get(EVENTS)))
 
 
 def init() -> Session:

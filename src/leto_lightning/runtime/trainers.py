@@ -14,8 +14,9 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from . import auth, keys, worker_env
+from . import keys, worker_env
 from .config import RuntimeConfig
+from .contract import ResumeMode, Role, WorkerContract, worker_environment
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
 from .events import EventLog
@@ -42,38 +43,35 @@ class Trainers:
         return self._level()
 
     # -- starting ------------------------------------------------------------------------------
-    def environment(self, local_rank: int, role: str, resume: str) -> dict[str, str]:
+    def environment(self, local_rank: int, role: Role, resume: ResumeMode) -> dict[str, str]:
+        """torchrun's variables (``worker_env.py``) and Leto's contract (``contract.py``) over
+        this agent's own environment."""
         s = self.spec
         rank = s.node_rank * s.nproc_per_node + local_rank
-        env = dict(os.environ)
-        env.update(self._thread_defaults)
+        base = dict(os.environ)
+        base.update(self._thread_defaults)
         # per-rank supervision: the real layout (Lightning computes ranks from it)
         local, size, node = s.trainer_layout or (local_rank, s.nproc_per_node, s.node_rank)
-        env.update(worker_env.torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self._port))
-        env.update(
-            LETO_NODE_RANK=str(node), LETO_ROLE=role, LETO_JOB_ID=self.job.job_id,
-            LETO_RUN_DIR=os.path.abspath(s.run_dir), LETO_GENERATION=str(self.job.generation),
-            LETO_SHADOW_SET=str(self.shadow_set), LETO_SHADOW_LEVEL=str(self.shadow_level), LETO_RESUME=resume,
-            LETO_FAULTS=json.dumps(self.pending_faults()),
-        )
-        env[auth.CHILD_ENV] = self._secret.hex()  # the trainers' copy of the job's secret: their environment only
-        env["LETO_EVENTS"] = str(self.events.path.absolute())
-        env.pop("LETO_STORE_PREFIX", None)
-        if s.store_prefix:
-            env["LETO_STORE_PREFIX"] = s.store_prefix
-        return env
+        base.update(worker_env.torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self._port))
+        worker = WorkerContract(
+            role=role, job_id=self.job.job_id, run_dir=os.path.abspath(s.run_dir), node_rank=node,
+            generation=self.job.generation, shadow_set=self.shadow_set, shadow_level=self.shadow_level,
+            resume=resume, faults=tuple(self.pending_faults()), events=str(self.events.path.absolute()),
+            store_prefix=s.store_prefix,
+            auth_key=self._secret.hex())  # the trainers' copy of the job's secret: their environment only
+        return worker_environment(base, worker)
 
     def pending_faults(self) -> list[dict]:
         return [f for f in self.spec.faults if not self.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
 
-    def _spawn(self, local_rank: int, role: str, resume: str) -> TrainerProcess:
+    def _spawn(self, local_rank: int, role: Role, resume: ResumeMode) -> TrainerProcess:
         self.stop.check()  # nothing new starts once a stop was requested
         env = self.environment(local_rank, role, resume)
         gen = self.job.generation
         proc = spawn([self.spec.python, self.spec.script, *self.spec.args], env, int(env["RANK"]), local_rank, role,
                      gen, self.shadow_set, self.out)
-        self.events.emit("process_started", gen, rank=proc.rank, role=role, pid=proc.pid,
-                         shadow_set=self.shadow_set if role == "shadow" else None, resume=resume or None)
+        self.events.emit("process_started", gen, rank=proc.rank, role=role.value, pid=proc.pid,
+                         shadow_set=self.shadow_set if role is Role.SHADOW else None, resume=resume.value or None)
         return proc
 
     def reset_heartbeats(self) -> None:
@@ -82,9 +80,9 @@ class Trainers:
             self.store.set(keys.HEARTBEAT.format(rank=rank), "")
         self.heartbeats.clear()
 
-    def start_actives(self, resume: str) -> None:
+    def start_actives(self, resume: ResumeMode) -> None:
         self.reset_heartbeats()
-        procs = (self._spawn(lr, "active", resume) for lr in range(self.spec.nproc_per_node))
+        procs = (self._spawn(lr, Role.ACTIVE, resume) for lr in range(self.spec.nproc_per_node))
         self.actives = {p.rank: p for p in procs}
 
     def start_shadows(self, replacement: int = 0) -> None:
@@ -93,7 +91,8 @@ class Trainers:
             return
         self.shadow_set = f"{self.job.generation}-{replacement}"
         self.replacements_seen = replacement
-        self.shadows = {p.rank: p for p in (self._spawn(lr, "shadow", "") for lr in range(self.spec.nproc_per_node))}
+        procs = (self._spawn(lr, Role.SHADOW, ResumeMode.FRESH) for lr in range(self.spec.nproc_per_node))
+        self.shadows = {p.rank: p for p in procs}
         self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set, level=self.shadow_level,
                          reason="started")
 
@@ -118,7 +117,7 @@ class Trainers:
         """The shadow set becomes the active trainers of the current generation."""
         self.store.set(keys.PROMOTE.format(sgen=self.shadow_set), json.dumps({"generation": self.job.generation}))
         for p in self.shadows.values():
-            p.role, p.generation = "active", self.job.generation
+            p.role, p.generation = Role.ACTIVE, self.job.generation
         self.actives, self.shadows = self.shadows, {}
 
     def watch_shadows(self) -> None:
