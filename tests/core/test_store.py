@@ -64,7 +64,7 @@ def test_record_holds_progress_entries_only():
 
     rec = ProgressRecord(torch.zeros(2 * 1024, dtype=torch.uint8))
     with pytest.raises(ValueError, match="ProgressEntry"):
-        rec.write([("status", "committed"), ("iteration", 1)])
+        rec.write({"status": "committed", "iteration": 1, "payload": None})  # the on-disk form is record.py's own
     rec.write(ProgressEntry(RecordStatus.COMMITTED, 1, {"rng": 7}, has_before=True, before=None))
     assert rec.read().progress == ProgressEntry(RecordStatus.COMMITTED, 1, {"rng": 7}, has_before=True)
     # A foreign writer's checksummed slot that is no progress entry: reported, never taken for one.

@@ -143,12 +143,6 @@ class RecordEntry:
     seq: int
     progress: ProgressEntry
 
-    @property
-    def payload(self) -> dict[str, Any]:
-        """Transitional: the entry as the dict callers read before ``ProgressEntry`` existed.
-        Removed once every reader uses ``progress``."""
-        return _to_wire(self.progress)
-
 
 def _crc(seq: int, length: int, body: bytes) -> int:
     return zlib.crc32(body, zlib.crc32(struct.pack("<QQ", seq, length))) | (length << 32)
@@ -184,14 +178,8 @@ class ProgressRecord:
                 best = entry
         return best
 
-    def write(self, entry: ProgressEntry | Mapping[str, Any]) -> int:
-        """Write ``entry`` as the next entry; returns its sequence number.
-
-        Transitional: a dict in the on-disk form (what callers wrote before ``ProgressEntry``
-        existed) is still taken, checked as a read would check it; removed once every writer
-        passes entries."""
-        if isinstance(entry, Mapping):
-            entry = _from_wire(-1, entry)
+    def write(self, entry: ProgressEntry) -> int:
+        """Write ``entry`` as the next entry; returns its sequence number."""
         if not isinstance(entry, ProgressEntry):
             raise ConfigurationError(f"the progress record holds ProgressEntry objects, got {type(entry).__name__}")
         body = pickle.dumps(_to_wire(entry), protocol=pickle.HIGHEST_PROTOCOL)
