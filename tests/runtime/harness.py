@@ -28,8 +28,9 @@ class LaunchResult(LaunchedRun):
 
 
 def launch_args(run_dir: Path, iterations: int, faults=(), extra=(), script_args=(), nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
-            "--faults", json.dumps(list(faults)), *extra, PLAIN_DDP, "--iterations", str(iterations), *script_args]
+    return [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(nproc),
+            "--run-dir", str(run_dir), "--faults", json.dumps(list(faults)), *extra,
+            PLAIN_DDP, "--iterations", str(iterations), *script_args]
 
 
 def start(run_dir: Path, iterations: int, **kw) -> subprocess.Popen:

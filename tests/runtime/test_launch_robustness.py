@@ -38,8 +38,9 @@ def test_failure_during_setup_falls_back_at_once(tmp_path):
     before it is complete: recognised as half-initialised, fresh start within seconds."""
     faults = [{"id": 0, "rank": 0, "point": SETUP, "generation": 0},
               {"id": 1, "rank": 1, "point": SETUP, "generation": 2, "signal": int(signal.SIGBUS)}]
-    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, faults=faults, extra=NO_SHADOWS),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), tmp_path, timeout=240)
+    proc = subprocess.Popen(launch_args(tmp_path, ITERATIONS, faults=faults, extra=NO_SHADOWS),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = finish(proc, tmp_path, timeout=240)
     assert result.returncode == 0, result.output[-3000:]
     detected = result.of("failure_detected")
     assert [e["signal"] for e in detected] == [signal.SIGKILL, signal.SIGBUS], detected
@@ -84,13 +85,13 @@ def test_stop_request_to_the_process_group_wins_over_recovery(tmp_path, case):
     assert not [e for e in result.of("recovery_started") if e["time"] > sent]
     for job in {e["job_id"] for e in result.events if e.get("job_id")}:
         assert list_segments(f"leto-{job}-") == [], "retained memory left behind"
-    assert "Traceback" not in "\n".join(l for l in result.output.splitlines() if not l.startswith("[rank"))
+    assert "Traceback" not in "\n".join(line for line in result.output.splitlines() if not line.startswith("[rank"))
 
 
 def test_trainer_failing_twice_at_startup_is_a_configuration_error(tmp_path):
-    result = finish(subprocess.Popen(launch_args(tmp_path, ITERATIONS, extra=NO_SHADOWS,
-                                                 script_args=["--dim", "sixty-four"]),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), tmp_path, timeout=240)
+    proc = subprocess.Popen(launch_args(tmp_path, ITERATIONS, extra=NO_SHADOWS, script_args=["--dim", "sixty-four"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = finish(proc, tmp_path, timeout=240)
     assert result.returncode == 3, result.output[-3000:]
     (stopped,) = result.of("job_stopped")
     assert "configuration error" in stopped["reason"] and "sixty-four" in stopped["reason"], stopped
@@ -105,7 +106,7 @@ def test_stopped_shadow_is_not_promoted_and_the_right_rank_is_blamed(tmp_path):
         wait_for(lambda: any(e["event"] == "shadow_level" and e["reason"] == "ready" for e in _events(tmp_path)),
                  120, "ready shadows")
         shadow = [e["pid"] for e in _events(tmp_path) if e["event"] == "process_started" and e["role"] == "shadow"][1]
-        active = [e["pid"] for e in _events(tmp_path) if e["event"] == "process_started" and e["role"] == "active"][0]
+        active = next(e["pid"] for e in _events(tmp_path) if e["event"] == "process_started" and e["role"] == "active")
         os.kill(shadow, signal.SIGSTOP)
         os.kill(active, signal.SIGKILL)
     except BaseException:

@@ -100,9 +100,9 @@ def job_secret(store, node_rank: int, nnodes: int, run_dir: str, secret_file: st
         check_stop()
         if store.check([FINGERPRINT_KEY]):
             wanted = store.get(FINGERPRINT_KEY).decode(errors="replace")
-            secret = given if given is not None else _shared_file_secret(run_dir)
-            if secret is not None and hmac.compare_digest(fingerprint(secret), wanted):
-                return secret
+            found = given if given is not None else _shared_file_secret(run_dir)
+            if found is not None and hmac.compare_digest(fingerprint(found), wanted):
+                return found
             # Node 0 has published: a given secret cannot change any more, and a shared run dir
             # shows node 0's file within a few seconds -- no reason to wait for the start-up timeout.
             if published_at is None:

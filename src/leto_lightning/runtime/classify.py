@@ -35,7 +35,8 @@ class Failure:
             return f"rank {self.rank} hung (no heartbeat)"
         if self.signal is not None:
             return f"rank {self.rank} killed by {_signal.Signals(self.signal).name}"
-        return f"rank {self.rank} exited with code {self.exit_code}" + (f" ({self.exception})" if self.exception else "")
+        said = f" ({self.exception})" if self.exception else ""
+        return f"rank {self.rank} exited with code {self.exit_code}{said}"
 
 
 @dataclass
@@ -112,7 +113,7 @@ def _matches(rule: ClassificationRule, f: Failure) -> bool:
     if rule.signal is not None:
         checks.append(f.signal == rule.signal)
     if rule.exception is not None:
-        checks.append(bool(f.exception) and rule.exception in f.exception)
+        checks.append(bool(f.exception and rule.exception in f.exception))
     if rule.hang is not None:
         checks.append(f.hang == rule.hang)
     return bool(checks) and all(checks)

@@ -74,7 +74,7 @@ def retained_jobs(others: dict[str, RetainedJob] | None = None) -> dict[str, Ret
 
 def _mappings() -> list[tuple[int, str]]:
     """(pid, job id) for every process of this user that maps a Leto segment."""
-    out = []
+    out: list[tuple[int, str]] = []
     marker = os.path.join(SHM_DIR, SEGMENT_PREFIX)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -51,21 +51,20 @@ class EventLog:
         with self._lock:
             if self._fd is None:
                 raise StorageError(f"event log {self.path} is closed (a write failed before)")
-            self._append(line)
+            self._append(self._fd, line)
         return record
 
-    def _append(self, line: bytes) -> None:
-        size = os.fstat(self._fd).st_size
+    def _append(self, fd: int, line: bytes) -> None:
+        size = os.fstat(fd).st_size
+        error: OSError | None = None
         try:
-            written = os.write(self._fd, line)
+            written = os.write(fd, line)
         except OSError as exc:
             written, error = -1, exc
-        else:
-            error = None
         if written == len(line):
             return
         try:  # a short write (full disk): cut it off, so the log ends at the last whole record
-            os.ftruncate(self._fd, size)
+            os.ftruncate(fd, size)
         except OSError:
             pass
         reason = error.strerror if error is not None else f"only {written} of {len(line)} bytes written"

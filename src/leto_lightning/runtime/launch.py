@@ -99,7 +99,8 @@ def parse_faults(text: str) -> list[dict]:
         raise ConfigurationError(f"--faults {text!r} is not JSON ({exc.msg}): give a JSON list of fault objects, "
                                  'e.g. \'[{"id": 0, "rank": 1, "point": "compute.begin", "iteration": 5}]\'') from None
     if not isinstance(faults, list):
-        raise ConfigurationError(f"--faults {text!r}: expected a JSON list of fault objects, got {type(faults).__name__}")
+        raise ConfigurationError(f"--faults {text!r}: expected a JSON list of fault objects, "
+                                 f"got {type(faults).__name__}")
     for fault in faults:
         if not isinstance(fault, dict) or not fault.keys() >= FAULT_KEYS:
             raise ConfigurationError(f"--faults: {json.dumps(fault)} is not a fault: each needs "
@@ -113,5 +114,6 @@ def _layout(text: str) -> tuple[int, int, int]:
     try:
         local_rank, local_world_size, node = (int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LOCAL_RANK,LOCAL_WORLD_SIZE,NODE_RANK (three integers)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected LOCAL_RANK,LOCAL_WORLD_SIZE,NODE_RANK (three integers)") from None
     return local_rank, local_world_size, node

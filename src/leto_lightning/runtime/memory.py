@@ -179,9 +179,9 @@ class NvmlDevices:
         self.available = self.count > 0
 
     def read(self, budget: int | None, job_pids: set[int]) -> tuple[DeviceMemory, ...]:
-        if not self.available:
-            return ()
         nv, out = self._nvml, []
+        if not self.available or nv is None:
+            return ()
         for index in range(self.count):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)

@@ -13,10 +13,12 @@ reader (``from_json`` / ``from_dict``); the store holds the JSON.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import InternalError
+from ..retained.record import RecordStatus
 
 
 def _fields(raw: bytes | str, what: str) -> dict[str, Any]:
@@ -79,21 +81,22 @@ class Verdict:
 
 @dataclass(frozen=True)
 class RankProgress:
-    """One rank's progress record as recovery found it (before rolling forward)."""
+    """One rank's progress record (``retained.record.ProgressEntry``) as recovery found it,
+    before rolling forward: what the job-wide decision needs of it."""
 
-    status: str
+    status: RecordStatus
     iteration: int
     open: bool = False  # inside a rollback window
 
     @classmethod
-    def of(cls, summary: tuple | list | None) -> RankProgress | None:
+    def of(cls, summary: Sequence[Any] | None) -> RankProgress | None:
         """From the updater's ``(status, iteration, open)`` (None: no record)."""
         if summary is None:
             return None
-        return cls(str(summary[0]), int(summary[1]), bool(summary[2]) if len(summary) > 2 else False)
+        return cls(RecordStatus(summary[0]), int(summary[1]), bool(summary[2]) if len(summary) > 2 else False)
 
     def as_tuple(self) -> tuple[str, int, bool]:
-        return self.status, self.iteration, self.open
+        return self.status.value, self.iteration, self.open
 
 
 @dataclass(frozen=True)

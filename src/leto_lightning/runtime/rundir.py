@@ -90,8 +90,8 @@ def prepare(path: str, mode: int = DEFAULT_MODE) -> None:
                                  "--run-dir") from None
     if st.st_uid != os.geteuid():
         raise ConfigurationError(
-            f"run dir {path!r} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): whoever owns it could plant "
-            "checkpoints there -- use a run dir of your own")
+            f"run dir {path!r} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): whoever owns it could "
+            "plant checkpoints there -- use a run dir of your own")
     if st.st_mode & 0o777 != mode:
         os.chmod(path, mode)
 
