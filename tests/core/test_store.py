@@ -133,3 +133,15 @@ def test_generic_optimizer_state_is_in_the_layout_not_in_the_param_groups():
     assert StoreSpec.from_json(spec.to_json()).layout.generic == lay.generic  # kept by the checksummed spec
     with pytest.raises(ValueError, match="GenericState is for family 'generic'"):
         build_layout([[("w", (4,), torch.float32)]], family="adam", page_bytes=64, generic=lay.generic)
+
+
+def test_agreement_from_every_ranks_progress():
+    from leto_lightning.updater.recovery import Agreement, RankProgress, local_agreement
+
+    prepared, committed = RecordStatus.PREPARED, RecordStatus.COMMITTED
+    both = {0: RankProgress(prepared, 5), 1: RankProgress(prepared, 5)}
+    assert local_agreement(both) == Agreement(5, True, None)
+    # one rank never prepared 5: not everyone reached it; as it arrives from another node (a JSON list)
+    assert local_agreement({0: RankProgress(prepared, 5), 1: ["committed", 4, False]}) == Agreement(5, False, None)
+    assert local_agreement({0: RankProgress(committed, 7, open=True), 1: None}) == Agreement(7, False, 7)
+    assert local_agreement({}) == Agreement(None, True, None)

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -154,17 +155,39 @@ def latest(store: RetainedStore) -> ProgressEntry | None:
     return entries[-1].progress if entries else None
 
 
-def local_agreement(summary: dict[int, tuple | list | None]) -> tuple[int | None, bool, int | None]:
-    """From ``{rank: (status, iteration, open)}``: (target iteration, did every rank reach it,
-    the open iteration to roll back everywhere or None)."""
-    iterations = [s[1] for s in summary.values() if s is not None]
-    target = max(iterations, default=None)
-    opened = [s[1] for s in summary.values() if s is not None and len(s) > 2 and s[2]]
-    return target, all(s is not None and s[1] == target for s in summary.values()), min(opened, default=None)
+class RankProgress(NamedTuple):
+    """One rank's progress record as recovery found it (before rolling forward): what the
+    ranks of a job exchange to agree. A named tuple: it crosses nodes as a JSON list."""
+
+    status: RecordStatus
+    iteration: int
+    open: bool = False  # inside a rollback window
+
+    @classmethod
+    def of(cls, value: Sequence[Any]) -> RankProgress:
+        """From ``[status, iteration, open]`` as it arrives from another node."""
+        return cls(RecordStatus(value[0]), int(value[1]), bool(value[2]) if len(value) > 2 else False)
 
 
-def _summary(rec: ProgressEntry | None) -> tuple | None:
-    return (rec.status.value, rec.iteration, rec.open) if rec else None
+class Agreement(NamedTuple):
+    """The job-wide decision of the agree step."""
+
+    target: int | None  # the newest iteration any rank prepared or committed
+    everyone_reached: bool  # every rank of the job prepared or committed ``target``
+    rollback: int | None  # an open iteration to roll back everywhere
+
+
+def local_agreement(summary: Mapping[int, Sequence[Any] | None]) -> Agreement:
+    """From ``{rank: RankProgress}`` (None: no record; a plain ``[status, iteration, open]``
+    as it arrives from another node is read as one) of every rank of the job."""
+    ranks = [None if s is None else RankProgress.of(s) for s in summary.values()]
+    target = max((s.iteration for s in ranks if s is not None), default=None)
+    opened = [s.iteration for s in ranks if s is not None and s.open]
+    return Agreement(target, all(s is not None and s.iteration == target for s in ranks), min(opened, default=None))
+
+
+def _summary(rec: ProgressEntry | None) -> RankProgress | None:
+    return RankProgress(rec.status, rec.iteration, rec.open) if rec else None
 
 
 def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None,
@@ -172,7 +195,7 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
                  ) -> dict[int, RecoveryReport]:
     """Recover the ranks of one node (keyed by local rank); see the module docstring.
 
-    ``agree`` turns this node's ``{rank: (status, iteration, open)}`` into the job-wide
+    ``agree`` turns this node's ``{rank: RankProgress}`` into the job-wide
     decision (``local_agreement``: target iteration, whether every rank of the job prepared or
     committed it, an open iteration to roll back); a multi-node agent exchanges the summaries
     through the job's store before anything rolls forward or back.
