@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import logging
 import os
 import platform
@@ -100,10 +101,11 @@ class StepTimer(Callback):
     def steps(self) -> list[tuple[float, float]]:
         """(wall s, CPU s) of every step."""
         marks = [*self.starts, self.end]
-        return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(marks)]
 
 
-def fit(strategy: str, size: str, steps: int, page_kib: int = 0) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+def fit(strategy: str, size: str, steps: int,
+        page_kib: int = 0) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     """One fit of ``steps`` steps; returns each step's (wall, CPU) seconds and the final weights."""
     dim, layers, batch, seq = SIZES[size]
     pl.seed_everything(3, verbose=False)

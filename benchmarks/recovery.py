@@ -260,7 +260,7 @@ def main() -> None:
         m = med[s]
         cells = [LABELS[s], f"**{m['total']:.2f}**", " / ".join(f"{r['total']:.2f}" for r in runs)]
         cells += [fmt(m["row"][c]) for c in COLUMNS]
-        cells += [f"{m['total'] / med[l]['total']:.1f}×" for l in leto]
+        cells += [f"{m['total'] / med[name]['total']:.1f}×" for name in leto]
         print("| " + " | ".join(cells) + " |")
     print()
     print("Columns: detect = SIGKILL -> noticed; stop = survivors killed and reaped; restart = new processes up to "
@@ -299,7 +299,7 @@ def main() -> None:
             cells = []
             for pos in (0, (k - 1) // 2, k - 1):
                 total = m["total"] + (pos - position) * t_it
-                ratios = ", ".join(f"{total / med[l]['total']:.1f}x" for l in leto)
+                ratios = ", ".join(f"{total / med[name]['total']:.1f}x" for name in leto)
                 cells.append(f"position {pos}: {total:.2f} s ({ratios} Leto)")
             print(f"  {LABELS[s]}: " + "; ".join(cells))
         print(f"  (uniform failure positions: the expected recompute is that of position {(k - 1) / 2:g}"

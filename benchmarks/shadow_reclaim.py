@@ -91,7 +91,8 @@ def recovery_run(run_dir: Path, level: int | None) -> dict:
         stop(proc)
     done = [e for e in run.events if e["event"] == "recovery_finished"]
     if run.returncode != 0 or len(done) != 1:
-        raise SystemExit(f"recovery at level {level}: exit {run.returncode}, {len(done)} recoveries\n{run.output[-2000:]}")
+        raise SystemExit(f"recovery at level {level}: exit {run.returncode}, {len(done)} recoveries\n"
+                         f"{run.output[-2000:]}")
     return done[0]
 
 
@@ -135,11 +136,13 @@ def main() -> None:
             peak = max((s["active"] + s["shadow"] + s["retained"]) / MIB for s in samples)
             changes = [f"L{e['old']}->L{e['new']}" for e in events if e["event"] == "shadow_level_changed"]
             over = sum(1 for e in events if e["event"] == "memory_over_budget")
-            print(f"reclaim {name}: peak {peak:.0f} MiB of a {BUDGET_MIB} MiB budget, level changes {changes or 'none'}, "
+            print(f"reclaim {name}: peak {peak:.0f} MiB of a {BUDGET_MIB} MiB budget, "
+                  f"level changes {changes or 'none'}, "
                   f"over-budget events {over}")
         plot(runs, Path(args.out))
         print(f"plot: {args.out}")
-        print("\n| shadow level | recovered from | recovery total (s) | start | init | resume | detect+stop+attach_repair |")
+        print("\n| shadow level | recovered from | recovery total (s) | start | init | resume "
+              "| detect+stop+attach_repair |")
         print("|---|---|---|---|---|---|---|")
         for level in (3, 2, 1, None):
             e = recovery_run(Path(tmp) / f"rec-{level}", level)

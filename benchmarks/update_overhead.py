@@ -328,7 +328,7 @@ def profile_rmu(rmu: RetainedUpdate, batches: list[torch.Tensor], steps: int) ->
         restore.append((obj, name, original, name in getattr(obj, "__dict__", {})))
         setattr(obj, name, timed)
 
-    def protect_grads_flagged(original=getattr(txn, "protect_grads", None)):
+    def protect_grads_flagged(original=getattr(txn, "protect_grads", None)):  # noqa: B008  (bound once, at wrap time)
         def run(*a, **k):
             where["in_prepare"] = True
             try:
@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in rmus:
             c = v.config
             code = v.ro.txn.codes.tier1
-            out(f"retained ({v.key}): RetainedConfig(page_bytes={c.page_bytes // 1024} KiB, chunk_pages={c.chunk_pages}, "
+            out(f"retained ({v.key}): RetainedConfig(page_bytes={c.page_bytes // 1024} KiB, "
+                f"chunk_pages={c.chunk_pages}, "
                 f"data_pages={c.data_pages}, tier1_parity={c.tier1_parity}, tier2_parity={c.tier2_parity}), tier-1 "
                 f"code {code if code is not None else 'none (H1=0)'}")
             out(f"  layout: {v.ro.layout.describe()}")

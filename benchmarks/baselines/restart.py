@@ -36,6 +36,7 @@ recompute (the iterations since the checkpoint, the interrupted one included).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -225,7 +226,7 @@ class RestartJob:
               "recompute": caught - loaded}
         ckpt_it = {next(e["iteration"] for e in g1[r] if e["ev"] == "loaded") for r in ranks}
         done0 = [e["t"] for e in g0[0] if e["ev"] == "done"]
-        steps = [b - a for a, b in zip(done0[1:], done0[2:])]  # skip the first (warm-up)
+        steps = [b - a for a, b in itertools.pairwise(done0[1:])]  # skip the first (warm-up)
         imports = 0.0 if self.mode == "shm-spare" else max(
             next(e["t"] for e in g1[r] if e["ev"] == "imported") - marks["stop"] for r in ranks)
         losses = {r: {} for r in ranks}
