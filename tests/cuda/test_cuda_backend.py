@@ -176,7 +176,7 @@ def test_crash_mid_update_recovers_bit_identical(manager):
         job = new_job_id()
         proc, conn = w.spawn(w.train, kind, mgr.address, job, T, point)
         try:
-            message, where = w.receive(proc, conn)
+            message, _where = w.receive(proc, conn)
             assert message == "at", f"{point} was never reached"
         finally:
             w.kill(proc)
