@@ -7,11 +7,11 @@ import random
 from dataclasses import dataclass
 
 from leto_lightning.faults.points import set_hook
+from leto_lightning.retained.record import RecordStatus
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import KillPoint, PointRecorder, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.updater.recovery import recover_node
-from leto_lightning.updater.transaction import COMMITTED, PREPARED
 
 MAX_T = 3  # kill in iteration 0..MAX_T-1; the reference runs MAX_T + 1 iterations
 
@@ -81,13 +81,14 @@ def run_case(scenario: CoreScenario, reference, points: list[KillPoint], seed: i
 
 def _prepared(job, rank: int, t: int) -> bool:
     entry = job.stores[rank].record.read()
-    return entry is not None and entry.progress.status in (PREPARED, COMMITTED) and entry.progress.iteration == t
+    reached = (RecordStatus.PREPARED, RecordStatus.COMMITTED)
+    return entry is not None and entry.progress.status in reached and entry.progress.iteration == t
 
 
 def _sealed(job, rank: int, t: int) -> bool:
     entry = job.stores[rank].record.read()
     rec = entry.progress if entry is not None else None
-    return rec is not None and rec.status == COMMITTED and rec.iteration == t and not rec.open
+    return rec is not None and rec.status == RecordStatus.COMMITTED and rec.iteration == t and not rec.open
 
 
 def _shadow_step(job, rank: int, t: int) -> None:

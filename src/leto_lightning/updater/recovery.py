@@ -50,7 +50,7 @@ from ..retained.record import ProgressEntry, RecordStatus, read_all
 from ..retained.spec import repair_spec
 from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
 from .repair import RepairReport, page_ok, repair, verify_parity
-from .transaction import COMMITTED, ChunkTransactions, ParityCodes
+from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import restore_whole, tail_crc
 
 
@@ -285,7 +285,7 @@ def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target
             continue
         if rec.prepared and everyone_reached:
             report.rolled_forward = roll_forward(store, rec, codes)
-            rec = dataclasses.replace(rec, status=COMMITTED)
+            rec = dataclasses.replace(rec, status=RecordStatus.COMMITTED)
         elif rec.prepared:
             report.aborted = True
             rec = abort_prepared(store, rec)
@@ -317,7 +317,7 @@ def roll_back(store: RetainedStore, t: int, report: RecoveryReport) -> list[int]
                                 f"{version}. {CHECKPOINT_ADVICE}")
         pages = restore_whole_checked(store, meta, head, f"open iteration {t}")
     _check_versions(store, t)
-    store.record.write(ProgressEntry(COMMITTED, t - 1, before))
+    store.record.write(ProgressEntry(RecordStatus.COMMITTED, t - 1, before))
     report.rolled_back = True
     report.committed_iteration, report.payload = t - 1, before
     return pages
@@ -353,7 +353,7 @@ def abort_prepared(store: RetainedStore, rec: ProgressEntry) -> ProgressEntry:
         raise RecoveryError(f"rank {store.spec.rank}: iteration {t} must be aborted (a peer never prepared it) but "
                             "chunks of it already committed: the prepare barrier was not respected")
     earlier = [e.progress for e in read_all(store.record) if e.progress.committed]
-    previous = earlier[-1] if earlier else ProgressEntry(COMMITTED, t - 1, None)
+    previous = earlier[-1] if earlier else ProgressEntry(RecordStatus.COMMITTED, t - 1, None)
     store.record.write(previous)
     return previous
 

@@ -27,10 +27,10 @@ from ..errors import (
 from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
-from ..retained.record import ProgressEntry
+from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.shm import new_job_id
 from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
-from .transaction import COMMITTED, ChunkTransactions, ParityCodes
+from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
 __all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "layout_for", "optimizer_family"]
@@ -235,7 +235,7 @@ class RetainedOptimizer:
         if entry.prepared and self.layout.family == "generic":
             self.txn.update_chunks(entry.iteration, entry.hparams, entry.skip_params)
             self.txn.commit(entry.iteration, entry.payload)
-            entry = dataclasses.replace(entry, status=COMMITTED)
+            entry = dataclasses.replace(entry, status=RecordStatus.COMMITTED)
         if entry.prepared:
             raise UsageError(f"rank {self.store.spec.rank}: iteration {entry.iteration} is prepared but not "
                              "committed; run updater.recovery.recover_node before binding a shadow")
@@ -293,7 +293,7 @@ class RetainedOptimizer:
             raise UsageError("seal() belongs to a rollback window (RetainedOptimizer(rollback_window=True))")
         point("seal.begin", iteration=self.iteration - 1)
         # With has_before: what a rollback of this iteration resumes from (recovery.roll_back).
-        self.store.record.write(ProgressEntry(COMMITTED, self.iteration - 1, payload,
+        self.store.record.write(ProgressEntry(RecordStatus.COMMITTED, self.iteration - 1, payload,
                                               has_before=self._has_before,
                                               before=self._before if self._has_before else None))
         point("seal.recorded", iteration=self.iteration - 1)
@@ -308,7 +308,7 @@ class RetainedOptimizer:
         if self.rollback_window:
             self.seal(payload)
             return
-        self.store.record.write(ProgressEntry(COMMITTED, self.iteration - 1, payload))
+        self.store.record.write(ProgressEntry(RecordStatus.COMMITTED, self.iteration - 1, payload))
 
     def _adopt_foreign_grads(self) -> None:
         """If something replaced ``p.grad`` (e.g. ``optimizer.zero_grad()`` set it to None and

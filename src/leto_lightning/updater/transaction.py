@@ -43,9 +43,6 @@ from ..retained.store import (
 )
 from .chunk_math import ChunkPieces, apply_update
 
-PREPARED = RecordStatus.PREPARED  # the names this module always exported
-COMMITTED = RecordStatus.COMMITTED
-
 
 def to_i64(value: int) -> int:
     """Store an unsigned 64-bit checksum in an int64 table."""
@@ -115,7 +112,7 @@ class ChunkTransactions:
         self.protect_grads()
         point("prepare.grads_protected", iteration=iteration)
         self.store.record.write(ProgressEntry(
-            PREPARED, iteration, payload, hparams=tuple(dict(h) for h in hparams),
+            RecordStatus.PREPARED, iteration, payload, hparams=tuple(dict(h) for h in hparams),
             skip_params=tuple(sorted(int(i) for i in skip_params)), open=self.open_records))
         point("prepare.recorded", iteration=iteration)
 
@@ -130,7 +127,7 @@ class ChunkTransactions:
 
     def commit(self, iteration: int, payload: object) -> None:
         point("commit.begin", iteration=iteration)
-        self.store.record.write(ProgressEntry(COMMITTED, iteration, payload, open=self.open_records))
+        self.store.record.write(ProgressEntry(RecordStatus.COMMITTED, iteration, payload, open=self.open_records))
         point("commit.recorded", iteration=iteration)
 
     # -- gradients -----------------------------------------------------------------------
