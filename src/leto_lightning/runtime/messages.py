@@ -7,18 +7,18 @@ reader (``from_json`` / ``from_dict``); the store holds the JSON.
 - ``ResumeInfo``   trainer -> agent (``keys.RESUMED``): a trainer resumed after a recovery
 - ``Verdict``      agent -> agents (``keys.FAILURE``): the job-wide classification of a failure
 - ``NodeSummary``  agent -> agents (``keys.NODE_STEP``, step ``summary``): each rank's progress
-  record as this node found it (``RankProgress``), or why this node could not repair its stores
+  record as this node found it (``updater.recovery.RankProgress``), or why this node could not
+  repair its stores
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import InternalError
-from ..retained.record import RecordStatus
+from ..updater.recovery import RankProgress
 
 
 def _fields(raw: bytes | str, what: str) -> dict[str, Any]:
@@ -80,26 +80,6 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class RankProgress:
-    """One rank's progress record (``retained.record.ProgressEntry``) as recovery found it,
-    before rolling forward: what the job-wide decision needs of it."""
-
-    status: RecordStatus
-    iteration: int
-    open: bool = False  # inside a rollback window
-
-    @classmethod
-    def of(cls, summary: Sequence[Any] | None) -> RankProgress | None:
-        """From the updater's ``(status, iteration, open)`` (None: no record)."""
-        if summary is None:
-            return None
-        return cls(RecordStatus(summary[0]), int(summary[1]), bool(summary[2]) if len(summary) > 2 else False)
-
-    def as_tuple(self) -> tuple[str, int, bool]:
-        return self.status.value, self.iteration, self.open
-
-
-@dataclass(frozen=True)
 class NodeSummary:
     """What one node's agent found in its stores; ``failed`` says why it could not look."""
 
@@ -108,10 +88,10 @@ class NodeSummary:
     failed: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        ranks = {str(r): (None if p is None else list(p.as_tuple())) for r, p in self.ranks}
+        ranks = {str(r): (None if p is None else list(p)) for r, p in self.ranks}
         return {"node": self.node, "ranks": ranks, "failed": self.failed}
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> NodeSummary:
-        ranks = tuple((int(r), RankProgress.of(p)) for r, p in value["ranks"].items())
+        ranks = tuple((int(r), None if p is None else RankProgress.of(p)) for r, p in value["ranks"].items())
         return cls(int(value["node"]), ranks, value.get("failed"))

@@ -10,13 +10,14 @@ and give up too (``RetainedStateError``: every node restarts from the checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import RetainedStateError
 from ..retained.store import RetainedStore
-from ..updater.recovery import RecoveryReport, local_agreement, recover_node
+from ..updater.recovery import Agreement, RankProgress, RecoveryReport, local_agreement, recover_node
 from .coordination import NodeLockstep
-from .messages import NodeSummary, RankProgress
+from .messages import NodeSummary
 from .spec import LaunchSpec
 
 
@@ -36,10 +37,9 @@ class SummaryExchange:
         self.node, self.lockstep = node, lockstep
         self.sent = False
 
-    def agree(self, summary: dict[int, tuple | list | None]) -> tuple[int | None, bool, int | None]:
-        """Job-wide decision from every node's ``{rank: (status, iteration, open)}``."""
-        mine = NodeSummary(self.node, tuple((r, RankProgress.of(s)) for r, s in summary.items()))
-        return local_agreement(self._merge(mine))
+    def agree(self, summary: Mapping[int, RankProgress | None]) -> Agreement:
+        """The job-wide decision from every node's ``{rank: RankProgress}``."""
+        return local_agreement(self._merge(NodeSummary(self.node, tuple(summary.items()))))
 
     def fail(self, reason: str) -> None:
         """This node cannot send a summary: unblock the others (once)."""
@@ -47,14 +47,14 @@ class SummaryExchange:
             self.sent = True
             self.lockstep.sync("summary", NodeSummary(self.node, failed=reason).to_dict())
 
-    def _merge(self, mine: NodeSummary) -> dict[int, tuple | list | None]:
+    def _merge(self, mine: NodeSummary) -> dict[int, RankProgress | None]:
         self.sent = True
-        merged: dict[int, tuple | list | None] = {}
+        merged: dict[int, RankProgress | None] = {}
         for part in self.lockstep.sync("summary", mine.to_dict()):
             node = NodeSummary.from_dict(part)
             if node.failed is not None:
                 raise RetainedStateError(f"retained state unusable on another node ({node.failed})")
-            merged.update({r: (None if p is None else p.as_tuple()) for r, p in node.ranks})
+            merged.update(node.ranks)
         return merged
 
 

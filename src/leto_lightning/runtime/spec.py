@@ -17,7 +17,7 @@ from ..errors import ConfigurationError
 from . import rundir
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchSpec:
     script: str
     args: list[str]
@@ -52,13 +52,13 @@ class LaunchSpec:
 
     def _check_layout(self, local_rank: int, local_world_size: int, node: int) -> None:
         if self.nproc_per_node != 1:
-            raise ValueError(f"--trainer-layout supervises one rank per agent: --nproc-per-node must be 1, "
-                             f"not {self.nproc_per_node}")
+            raise ConfigurationError(f"--trainer-layout supervises one rank per agent: --nproc-per-node must be 1, "
+                                     f"not {self.nproc_per_node}")
         if not 0 <= local_rank < local_world_size or node < 0:
-            raise ValueError(f"trainer layout (local rank {local_rank}, local world size {local_world_size}, node "
-                             f"{node}): need 0 <= local rank < local world size and node >= 0")
+            raise ConfigurationError(f"trainer layout (local rank {local_rank}, local world size {local_world_size}, "
+                                     f"node {node}): need 0 <= local rank < local world size and node >= 0")
         if self.nnodes % local_world_size or node * local_world_size + local_rank != self.node_rank:
-            raise ValueError(
+            raise ConfigurationError(
                 f"rank {self.node_rank} of {self.nnodes} as local rank {local_rank} of {local_world_size} on node "
                 f"{node}: ranks must be laid out node by node (rank = node x local world size + local rank), with "
                 "the same number on every node")
