@@ -15,7 +15,8 @@ never set a field.
                                     attach, build fully, resume once promoted
     any  --end----> NONE            teardown (of a fit, or of validate/test: NONE stays NONE)
 
-A second ``fit()`` in the same process begins again from ``NONE``.
+A second ``fit()`` in the same process begins again from ``NONE``; so does a pickled or copied
+strategy (``detached``).
 
 ``BatchPhase`` -- the training batch, for the resume payload's points (``callback.py``)::
 
@@ -103,6 +104,12 @@ class FitState:
 
     def __repr__(self) -> str:
         return f"FitState({self.mode.name}, {self.phase.name})"
+
+    def detached(self) -> FitState:
+        """A copy for a pickled or copied strategy: the same phase, no fit in progress (``NONE``)."""
+        copy = FitState()
+        copy.phase, copy._validation_rerun = self.phase, self._validation_rerun
+        return copy
 
     # -- the mode ------------------------------------------------------------------------------
     def _set_mode(self, mode: FitMode) -> None:

@@ -112,8 +112,10 @@ class LetoStrategy(DDPStrategy):
     def __getstate__(self) -> dict[str, Any]:
         """A pickled or deep-copied strategy (``torch.save(trainer)``, ``copy.deepcopy``) is a
         detached copy, as a pickled DDP strategy is: no retained memory, step proxy, loaders or
-        link to ``leto launch`` travel with it -- those belong to this process's fit."""
-        return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, _train_loaders=None)
+        link to ``leto launch`` travel with it -- those belong to this process's fit -- and its
+        next fit decides its mode anew."""
+        return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, _train_loaders=None,
+                    fit_state=self.fit_state.detached())
 
     @override
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -478,12 +480,14 @@ class LetoStrategy(DDPStrategy):
         module = self._lightning_module
         trainer = module._trainer if module is not None else None
         ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        super().teardown()
-        if ends_fit and trainer is not None and self.retained is not None and not self._resume_can_follow(trainer):
-            self._free_retained()
-        self._proxy = None
-        self.fit_state.end()
-        self._file_checkpoint = None
+        try:
+            super().teardown()
+            if ends_fit and trainer is not None and self.retained is not None and not self._resume_can_follow(trainer):
+                self._free_retained()
+        finally:  # even after an error here, the next fit in this process decides its mode anew
+            self._proxy = None
+            self.fit_state.end()
+            self._file_checkpoint = None
 
     def _resume_can_follow(self, trainer: pl.Trainer) -> bool:
         """Whether the fit that ends here leaves retained memory someone resumes from.
