@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from enum import Enum
 
 import torch
 
@@ -33,7 +34,7 @@ from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
 from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
-__all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "layout_for", "optimizer_family"]
+__all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "WindowPhase", "layout_for", "optimizer_family"]
 
 _FAMILIES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 _UNSUPPORTED_OPTIONS = ("fused", "capturable", "differentiable")
@@ -71,6 +72,19 @@ def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: 
               for j, g in enumerate(optimizer.param_groups)]
     return build_layout(groups, family=family, group_options=hyperparameters(optimizer), page_bytes=config.page_bytes,
                         chunk_pages=config.chunk_pages, generic=probe_state(optimizer) if family == "generic" else None)
+
+
+class WindowPhase(str, Enum):
+    """Where a rollback window (manual optimization) stands; owned by ``RetainedOptimizer``.
+
+    ``SEALED --step()--> OPEN --seal(p)--> SEALED``; ``seal`` while ``SEALED`` only replaces the
+    payload of the same iteration; ``resume()`` starts ``SEALED``. ``step()`` while ``OPEN`` is a
+    ``UsageError``: every step must be sealed before the next one. Without a rollback window it
+    stays ``SEALED``.
+    """
+
+    SEALED = "sealed"  # a crash resumes from the last sealed payload and keeps every update
+    OPEN = "open"  # a step ran and its iteration is not sealed: a crash rolls it back
 
 
 class RetainedOptimizer:
@@ -111,8 +125,8 @@ class RetainedOptimizer:
         self.rollback_window = rollback_window
         self.boundary_payload: object = None  # rollback window: the payload of the last sealed record
         self._before: object = None  # rollback window: the sealed payload the open iteration started from
-        self._open = False
         self._has_before = False  # a step in this process set _before
+        self.window = WindowPhase.SEALED
 
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, config: RetainedConfig | None = None, *,
@@ -244,7 +258,7 @@ class RetainedOptimizer:
                              "batch never ended); run updater.recovery.recover_node before binding a shadow")
         self.iteration = entry.iteration + 1
         self.boundary_payload = entry.payload
-        self._open = self._has_before = False
+        self.window, self._has_before = WindowPhase.SEALED, False
         return entry.payload
 
     def _mark_received(self, index: int):
@@ -272,13 +286,13 @@ class RetainedOptimizer:
         self._adopt_foreign_grads()
         skip = [i for i in range(len(self.params)) if i not in self._received]
         if self.rollback_window:
-            if self._open:
+            if self.window is WindowPhase.OPEN:
                 raise UsageError("one optimizer step per sealed iteration: with a rollback window (manual "
                                    "optimization) call optimizer.step() at most once per training_step")
             self.txn.open_records = True
             payload = self._before = self.boundary_payload  # a rollback resumes here and redoes the step
             self._has_before = True
-            self._open = True
+            self.window = WindowPhase.OPEN
         else:
             payload = self.payload_fn() if self.payload_fn is not None else None
         self.txn.run(self.iteration, hyperparameters(self.optimizer), payload, skip, self.barrier)
@@ -298,7 +312,7 @@ class RetainedOptimizer:
                                               before=self._before if self._has_before else None))
         point("seal.recorded", iteration=self.iteration - 1)
         self.boundary_payload = payload
-        self._open = False
+        self.window = WindowPhase.SEALED
 
     def record_committed(self, payload: object) -> None:
         """Replace the resume payload of the last committed iteration (same iteration, newer
