@@ -157,7 +157,7 @@ def serve(address: str, device: int | str, exit_when_empty: bool, ready: Connect
     except CudaUnavailableError as exc:
         ready.send(("no-cuda", str(exc)))
         return
-    except Exception as exc:
+    except Exception as exc:  # any start-up failure goes to the starter, which raises DeviceManagerError
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     ready.send(("ready", str(os.getpid())))
