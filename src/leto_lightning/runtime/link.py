@@ -24,7 +24,6 @@ One ``Session`` per process (module global): a second ``fit()`` reuses it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from datetime import timedelta
@@ -33,6 +32,7 @@ from ..errors import LetoTimeoutError
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
+from .messages import ResumeInfo
 from .session import Session, SessionEnv, init
 
 _SESSION: Session | None = None
@@ -119,9 +119,8 @@ class RuntimeLink:
         now = time.time()
         t1 = self._resume_started if self._resume_started is not None else now
         start = s.promoted_at if s.promoted_at is not None else process_start_time()
-        s.store.set(RESUMED.format(gen=s.env.generation, rank=s.rank),
-                    json.dumps({"init_s": max(0.0, t1 - start), "resume_s": now - t1, "iteration": iteration,
-                                "t": now}))
+        info = ResumeInfo(init_s=max(0.0, t1 - start), resume_s=now - t1, iteration=iteration, t=now)
+        s.store.set(RESUMED.format(gen=s.env.generation, rank=s.rank), info.to_json())
         self._resume_started = None
 
     @property
