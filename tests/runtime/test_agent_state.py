@@ -20,7 +20,7 @@ import torch.distributed as dist
 from leto_lightning.errors import InternalError, LetoTimeoutError, RetainedStateError
 from leto_lightning.retained.record import RecordStatus
 from leto_lightning.runtime.control import SignedStore, host_store, is_store_timeout, store_timeouts
-from leto_lightning.runtime.messages import Heartbeat, NodeSummary, ResumeInfo, Verdict
+from leto_lightning.runtime.messages import Heartbeat, NodeSummary, Promotion, ResumeInfo, Verdict
 from leto_lightning.runtime.phases import (
     JOB_TRANSITIONS,
     RECOVERY_TRANSITIONS,
@@ -79,6 +79,7 @@ def test_store_messages_read_back_what_was_written() -> None:
     assert ResumeInfo.from_json(info.to_json().encode()) == info
     verdict = Verdict(rank=1, hof=True, reason="trainer killed", device="CPU job", node=0)
     assert Verdict.from_json(verdict.to_json()) == verdict
+    assert Promotion.from_json(Promotion(generation=4).to_json()) == Promotion(4)
     summary = NodeSummary(1, ((2, RankProgress.of(["prepared", 5, True])), (3, None)))
     assert NodeSummary.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
     assert summary.ranks[0][1] == RankProgress(RecordStatus.PREPARED, 5, True)

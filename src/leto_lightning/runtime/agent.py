@@ -30,19 +30,21 @@ import torch.distributed as dist
 from ..console import notice, say
 from ..errors import ConfigurationError
 from ..retained.shm import new_job_id, unlink_segments
-from . import auth, control, rundir, worker_env
+from .auth import job_secret
 from .config import RuntimeConfig
 from .contract import ResumeMode
-from .control import SignedStore
+from .control import SignedStore, host_store
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
 from .phases import JOB_TRANSITIONS, JobInterrupted, JobPhase, JobStopped, PhaseTracker
 from .reclaim import ReclaimConfig, ReclaimPolicy, ShadowReclaimer, check_supported
 from .recovery_flow import Recovery
+from .rundir import claim as claim_run_dir
 from .spec import LaunchSpec
 from .storage import StorageError
 from .trainers import Trainers
+from .worker_env import omp_defaults, omp_notice
 
 __all__ = ["Agent", "JobInterrupted", "JobStopped", "LaunchSpec"]
 
@@ -70,7 +72,7 @@ class Agent:
         self.out = out or sys.stdout
         self._reclaim = reclaim
         # one live job per run dir; 0700 and umask 077 before anything is written there
-        self.run_dir_claim = rundir.claim(spec.run_dir, spec.run_dir_mode, spec.events_dir, spec.node_rank)
+        self.run_dir_claim = claim_run_dir(spec.run_dir, spec.run_dir_mode, spec.events_dir, spec.node_rank)
         self.events = EventLog(spec.events_dir)
         if self.run_dir_claim.previous:
             self.events.emit("run_dir_lock_taken_over", 0, previous=self.run_dir_claim.previous)
@@ -79,7 +81,7 @@ class Agent:
         self._phase = PhaseTracker("job", JobPhase.STARTING, JOB_TRANSITIONS)
         self._parts: _Parts | None = None
         self.port = 0
-        self.thread_defaults = worker_env.omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
+        self.thread_defaults = omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
 
     @property
     def phase(self) -> JobPhase:
@@ -92,7 +94,7 @@ class Agent:
         # The agent's own tensor work (roll-forward, repair) must not fight the trainers for
         # cores: measured 2.8 s vs 0.2 s for one repair on a loaded 2-core machine.
         torch.set_num_threads(1)
-        omp = worker_env.omp_notice(self.thread_defaults)
+        omp = omp_notice(self.thread_defaults)
         if omp is not None:  # torchrun's notice, once per launch
             say(omp, self.out)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -154,7 +156,7 @@ class Agent:
             raise ConfigurationError("a multi-node job needs --master-port (the same on every node)")
         try:
             if s.node_rank == 0 and not s.external_store:  # listens on --master-addr only (loopback by default)
-                store, _ = control.host_store(s.master_addr, s.master_port, timedelta(seconds=60))
+                store, _ = host_store(s.master_addr, s.master_port, timedelta(seconds=60))
             else:
                 store = dist.TCPStore(s.master_addr, s.master_port, world_size=None, is_master=False,
                                       timeout=timedelta(seconds=60), wait_for_workers=False)
@@ -162,7 +164,7 @@ class Agent:
             raise ConfigurationError(_store_problem(s, exc)) from exc
         self.port = store.port
         raw: dist.Store = dist.PrefixStore(s.store_prefix, store) if s.store_prefix else store
-        self.secret = auth.job_secret(raw, s.node_rank, s.nnodes, s.run_dir, s.secret_file,
+        self.secret = job_secret(raw, s.node_rank, s.nnodes, s.run_dir, s.secret_file,
                                       self.config.startup_timeout, self.stop.check)
         return SignedStore(raw, self.secret, s.store_prefix, self._message_rejected)
 

@@ -22,11 +22,16 @@ import os
 import secrets
 import stat
 import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError, LetoTimeoutError
 from .contract import AUTH_KEY
 from .contract import SECRET as SECRET_ENV
 from .contract import SECRET_FILE as SECRET_FILE_ENV
+
+if TYPE_CHECKING:  # only for the annotation: this module itself needs no torch
+    import torch.distributed as dist
 
 SHARED_FILE_GRACE_S = 10.0  # how long node 0's RUN_DIR/job.secret may take to appear on a shared filesystem
 CHILD_ENV = AUTH_KEY  # what the agent gives its trainers (hex)
@@ -39,7 +44,7 @@ def fingerprint(secret: bytes) -> str:
     return hmac.new(secret, b"leto job secret fingerprint", hashlib.sha256).hexdigest()[:32]
 
 
-def user_secret(secret_file: str | None, env=os.environ) -> bytes | None:
+def user_secret(secret_file: str | None, env: Mapping[str, str] = os.environ) -> bytes | None:
     """The secret the user gave (``--secret-file``, ``LETO_SECRET_FILE``, ``LETO_SECRET``), else None."""
     path = secret_file or env.get(SECRET_FILE_ENV)
     if path:
@@ -82,8 +87,8 @@ def write_secret_file(run_dir: str, secret: bytes) -> str:
     return path
 
 
-def job_secret(store, node_rank: int, nnodes: int, run_dir: str, secret_file: str | None, timeout: float,
-               check_stop=lambda: None) -> bytes:
+def job_secret(store: dist.Store, node_rank: int, nnodes: int, run_dir: str, secret_file: str | None,
+               timeout: float, check_stop: Callable[[], None] = lambda: None) -> bytes:
     """This agent's secret for the job (module doc); ``store`` is the raw (unsigned) store."""
     given = user_secret(secret_file)
     if nnodes == 1:

@@ -15,7 +15,7 @@ from .config import ClassificationRule, RuntimeConfig
 from .messages import Verdict
 
 
-@dataclass
+@dataclass(frozen=True)
 class Failure:
     rank: int
     pid: int | None
@@ -39,14 +39,14 @@ class Failure:
         return f"rank {self.rank} exited with code {self.exit_code}{said}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceHealth:
     operable: bool
     source: str
     details: dict = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Classification:
     hof: bool
     reason: str

@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..console import say
 from ..errors import ConfigurationError
 from ..retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments, unlink_segment
 from .events import iter_events
@@ -102,11 +104,12 @@ def jobs_in_run_dir(run_dir: str) -> tuple[list[str], list[int]]:
         if event["event"] == "job_started" and event.get("pid"):
             agents.append(int(event["pid"]))
     if not job_ids:
-        raise ValueError(f"{run_dir}: no job id in its events.jsonl (is it a `leto launch` run directory?)")
+        raise ConfigurationError(f"{run_dir}: no job id in its events.jsonl (is it a `leto launch` run directory?)")
     return job_ids, agents
 
 
-def free(job_ids: list[str], force: bool = False, dry_run: bool = False, out=print) -> int:
+def free(job_ids: list[str], force: bool = False, dry_run: bool = False,
+         out: Callable[[str], object] = say) -> int:
     """Remove the segments of ``job_ids``; returns 1 if something was refused, else 0."""
     others: dict[str, RetainedJob] = {}
     jobs, refused = retained_jobs(others), 0
@@ -137,7 +140,7 @@ def free(job_ids: list[str], force: bool = False, dry_run: bool = False, out=pri
     return refused
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "cleanup", help="free retained memory left behind by a job whose agent was killed",
         description=("Free /dev/shm/leto-<job_id>-* segments that outlived their job: `leto launch` frees them "
@@ -155,13 +158,13 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
     if not args.run_dirs and not args.job:
-        raise ValueError("name RUN_DIRs or --job JOB_ID (or --list)")
+        raise ConfigurationError("name RUN_DIRs or --job JOB_ID (or --list)")
     job_ids = list(args.job)
     for run_dir in args.run_dirs:
         ids, agents = jobs_in_run_dir(run_dir)
         live = [pid for pid in agents if is_alive(pid)]
         if live and not args.force:
-            print(f"{run_dir}: its agent (pid {live}) is still running; it frees its memory when the job ends")
+            say(f"{run_dir}: its agent (pid {live}) is still running; it frees its memory when the job ends")
             return 1
         job_ids += [j for j in ids if j not in job_ids]
     return free(job_ids, force=args.force, dry_run=args.dry_run)
@@ -171,12 +174,12 @@ def _list() -> int:
     others: dict[str, RetainedJob] = {}
     jobs = retained_jobs(others)
     if others:
-        print(f"({len(others)} job(s) of other users not shown: only their owners can free them)")
+        say(f"({len(others)} job(s) of other users not shown: only their owners can free them)")
     if not jobs:
-        print("no Leto retained memory of yours in " + SHM_DIR)
+        say("no Leto retained memory of yours in " + SHM_DIR)
         return 0
-    print(f"{'job id':<24} {'segments':>8} {'MiB':>9}  mapped by")
+    say(f"{'job id':<24} {'segments':>8} {'MiB':>9}  mapped by")
     for job in sorted(jobs.values(), key=lambda j: j.job_id):
         users = ", ".join(str(p) for p in sorted(job.users)) or "nobody"
-        print(f"{job.job_id:<24} {len(job.segments):>8} {job.nbytes / 2**20:>9.1f}  {users}")
+        say(f"{job.job_id:<24} {len(job.segments):>8} {job.nbytes / 2**20:>9.1f}  {users}")
     return 0

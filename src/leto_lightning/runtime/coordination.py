@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import keys
 from .control import SignedStore
+from .keys import JOB_ID, NODE_STEP
 from .phases import JobInterrupted, JobStopped
 from .spec import LaunchSpec
 
@@ -91,8 +91,8 @@ class NodeLockstep:
     def sync(self, step: str, value: Any) -> list[Any]:
         """Lockstep point of a recovery across the job's node agents; returns every node's value."""
         gen, nodes = self.job.generation, range(self.spec.nnodes)
-        self.store.set(keys.NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(value))
-        names = [keys.NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
+        self.store.set(NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(value))
+        names = [NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
         self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
         return [json.loads(self.store.get(k)) for k in names]
 
@@ -101,7 +101,7 @@ class NodeLockstep:
         the trainers of a node's ranks attach each other's stores for tier-2 parity."""
         if self.spec.trainer_layout is None:
             return mine
-        got = self.store.compare_set(keys.JOB_ID.format(gen=self.job.generation), "", mine)
+        got = self.store.compare_set(JOB_ID.format(gen=self.job.generation), "", mine)
         return got.decode() if isinstance(got, bytes) else str(got)
 
     def wait_other_nodes_done(self) -> None:

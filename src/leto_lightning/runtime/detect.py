@@ -11,11 +11,11 @@ from __future__ import annotations
 import signal
 import time
 
-from . import keys
 from .classify import Failure
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
+from .keys import EXCEPTION, FAILURE, FINISHED, HEARTBEAT
 from .messages import Heartbeat, Verdict
 from .procs import TrainerProcess
 from .spec import LaunchSpec
@@ -41,7 +41,7 @@ class Detector:
 
     def completed(self, p: TrainerProcess) -> bool:
         """The trainer said it finished training (whatever its exit status after that)."""
-        return self.store.check([keys.FINISHED.format(gen=p.generation, rank=p.rank)])
+        return self.store.check([FINISHED.format(gen=p.generation, rank=p.rank)])
 
     def detect(self) -> Failure | None:
         """One poll of every active trainer. ``last_poll`` is the last poll that saw nothing
@@ -85,7 +85,7 @@ class Detector:
                 signal: int | None = None) -> Failure:
         """What is known about trainer ``p``'s failure: its last heartbeat, its reported exception."""
         hb = self.last_heartbeat(p.rank)
-        key = keys.EXCEPTION.format(pid=p.pid)
+        key = EXCEPTION.format(pid=p.pid)
         exc = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
         return Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
                        iteration=hb.it if hb else None, phase=hb.phase if hb else None,
@@ -95,7 +95,7 @@ class Detector:
         """Another node's agent declared a failure of this generation: recover in lockstep."""
         if self.spec.nnodes == 1:
             return None
-        key = keys.FAILURE.format(gen=self.job.generation)
+        key = FAILURE.format(gen=self.job.generation)
         if not self.store.check([key]):
             return None
         verdict = Verdict.from_json(self.store.get(key))
@@ -105,10 +105,10 @@ class Detector:
                        exception=f"on node {verdict.node}: {verdict.reason}", remote_verdict=verdict)
 
     def last_heartbeat(self, rank: int) -> Heartbeat | None:
-        return Heartbeat.from_json(self.store.get(keys.HEARTBEAT.format(rank=rank)))
+        return Heartbeat.from_json(self.store.get(HEARTBEAT.format(rank=rank)))
 
     def _hung(self, p: TrainerProcess, now: float) -> bool:
-        raw = self.store.get(keys.HEARTBEAT.format(rank=p.rank))
+        raw = self.store.get(HEARTBEAT.format(rank=p.rank))
         seen = self.trainers.heartbeats.get(p.rank)
         if seen is None or seen[0] != raw:
             self.trainers.heartbeats[p.rank] = (raw, now)

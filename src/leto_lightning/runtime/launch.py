@@ -8,14 +8,15 @@ import os
 import time
 
 from ..errors import ConfigurationError
-from . import reclaim
 from .agent import Agent, LaunchSpec
 from .config import ClassificationRule, RuntimeConfig
+from .reclaim import add_arguments as add_reclaim_arguments
+from .reclaim import config_from_args as reclaim_config_from_args
 from .rundir import DEFAULT_MODE, mode_argument
 from .storage import usable_run_dir
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch",
         help="run a training script on N ranks with shadows and in-place recovery",
@@ -49,7 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--non-hof-exit-code", type=int, action="append", default=[],
                    help="an exit code that means the device is not operable (checkpoint restart)")
     p.add_argument("--faults", default="", help="JSON list of injected faults (tests, demos)")
-    reclaim.add_arguments(p)
+    add_reclaim_arguments(p)
     g = p.add_argument_group(
         "per-rank supervision",
         "How LetoStrategy runs under torchrun and srun: each process they start becomes the agent of one rank "
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
                            max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
-    return Agent(spec, config, reclaim=reclaim.config_from_args(args)).run()
+    return Agent(spec, config, reclaim=reclaim_config_from_args(args)).run()
 
 
 FAULT_KEYS = {"id", "rank", "point"}  # what every injected fault names (faults/injector.py)

@@ -5,6 +5,7 @@ reader (``from_json`` / ``from_dict``); the store holds the JSON.
 
 - ``Heartbeat``    trainer -> agent (``keys.HEARTBEAT``): progress of an active trainer
 - ``ResumeInfo``   trainer -> agent (``keys.RESUMED``): a trainer resumed after a recovery
+- ``Promotion``    agent -> shadows (``keys.PROMOTE``): the shadow set becomes the generation's actives
 - ``Verdict``      agent -> agents (``keys.FAILURE``): the job-wide classification of a failure
 - ``NodeSummary``  agent -> agents (``keys.NODE_STEP``, step ``summary``): each rank's progress
   record as this node found it (``updater.recovery.RankProgress``), or why this node could not
@@ -58,6 +59,18 @@ class ResumeInfo:
     @classmethod
     def from_json(cls, raw: bytes | str) -> ResumeInfo:
         return cls(**_fields(raw, "resume info"))
+
+
+@dataclass(frozen=True)
+class Promotion:
+    generation: int  # the generation the promoted shadows train in
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Promotion:
+        return cls(**_fields(raw, "promotion"))
 
 
 @dataclass(frozen=True)

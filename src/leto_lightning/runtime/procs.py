@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from .contract import Role
 
@@ -64,7 +65,7 @@ class TrainerProcess:
 
 
 def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: Role, generation: int,
-          shadow_set: str, out=None) -> TrainerProcess:
+          shadow_set: str, out: TextIO | None = None) -> TrainerProcess:
     """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
     popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)

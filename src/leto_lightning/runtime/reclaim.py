@@ -18,6 +18,7 @@ memory the old shadows held is returned to the system when they exit.
 
 from __future__ import annotations
 
+import argparse
 import enum
 import logging
 import re
@@ -28,11 +29,11 @@ from typing import TextIO
 
 from ..console import notice
 from ..errors import ConfigurationError
-from . import keys
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity
 from .events import EventLog
+from .keys import SHADOWS_READY
 from .memory import MemoryBudget, MemoryProbe, MemorySample, parse_size
 from .spec import LaunchSpec
 from .trainers import Trainers
@@ -192,7 +193,7 @@ class ShadowReclaimer:
         self._report_budget(sample)
         if not self.config.enabled or self._busy():
             return  # a recovery in progress owns the shadow set
-        if t.shadows and self.store.get(keys.SHADOWS_READY).decode() == t.shadow_set:
+        if t.shadows and self.store.get(SHADOWS_READY).decode() == t.shadow_set:
             self.policy.observe_shadow(self.level, sum(sample.processes.get(p.pid, 0) for p in t.shadows.values()))
         change = self.policy.decide(sample, now)
         if change is not None:
@@ -213,7 +214,7 @@ class ShadowReclaimer:
         figures = self.figures(sample)  # with the shadows that are replaced
         count = t.claim_replacement()  # our own replacement: watch_shadows must not redo it
         t.stop_shadows()
-        self.store.set(keys.SHADOWS_READY, "")
+        self.store.set(SHADOWS_READY, "")
         self.events.emit("shadow_level_changed", self.job.generation, old=int(change.old), new=int(change.new),
                          reason=change.reason, **figures)
         if change.new == ShadowLevel.NONE:
@@ -226,7 +227,7 @@ class ShadowReclaimer:
         self.probe.close()
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``leto launch``'s memory options (docs/reclaim.md)."""
     g = parser.add_argument_group(
         "shadow memory reclaim",
@@ -249,7 +250,7 @@ def add_arguments(parser) -> None:
                    help="seconds free memory must stay above --reclaim-high before a promotion")
 
 
-def config_from_args(args) -> ReclaimConfig | None:
+def config_from_args(args: argparse.Namespace) -> ReclaimConfig | None:
     """None: no probe at all (no budget and --memory-reclaim auto/off): the agent as before."""
     budget = MemoryBudget(
         parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None,

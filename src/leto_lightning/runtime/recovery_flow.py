@@ -30,7 +30,6 @@ from typing import Any, TextIO
 from ..console import notice
 from ..errors import RetainedStateError
 from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
-from . import keys
 from .classify import Failure, classify, device_health
 from .config import RuntimeConfig
 from .contract import ResumeMode
@@ -38,6 +37,7 @@ from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
+from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
 from .messages import ResumeInfo, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming
@@ -111,7 +111,7 @@ class Recovery:
         v = classify(failure, self.config, device_health(self.spec.device_index(failure.rank)))
         mine = Verdict(rank=failure.rank, hof=v.hof, reason=v.reason, device=v.device.source,
                        node=self.spec.node_rank, stop=v.stop)
-        return Verdict.from_json(self.store.compare_set(keys.FAILURE.format(gen=self.job.generation), "",
+        return Verdict.from_json(self.store.compare_set(FAILURE.format(gen=self.job.generation), "",
                                                         mine.to_json()))
 
     def _stop_on_repeated_startup_failure(self, failure: Failure) -> None:
@@ -203,10 +203,10 @@ class Recovery:
 
     def _unready_store(self) -> str | None:
         """Why the stores this agent repairs cannot be used for resuming, if one never got its
-        ready mark (``keys.STORE_READY``, set once it was completely initialised and protected)."""
+        ready mark (``STORE_READY``, set once it was completely initialised and protected)."""
         job_id = self.job.job_id
         unready = [r for r in self.spec.repair_ranks
-                   if not self.store.check([keys.STORE_READY.format(job=job_id, rank=r)])]
+                   if not self.store.check([STORE_READY.format(job=job_id, rank=r)])]
         if not unready:
             return None
         if any(list_segments(segment_name(job_id, f"r{r}", "")) for r in unready):
@@ -218,7 +218,7 @@ class Recovery:
         t = self.trainers
         ready = all(self.lockstep.sync("shadows_ready", t.shadows_promotable()))  # promote only if every node can
         t.reset_heartbeats()
-        self.store.set(keys.SHADOWS_READY, "")
+        self.store.set(SHADOWS_READY, "")
         gen = self.job.generation
         if ready:
             t.promote_shadows()
@@ -236,7 +236,7 @@ class Recovery:
         infos: dict[int, ResumeInfo] = {}
         while pending:
             for r in list(pending):
-                key = keys.RESUMED.format(gen=self.job.generation, rank=r)
+                key = RESUMED.format(gen=self.job.generation, rank=r)
                 if self.store.check([key]):
                     infos[r] = ResumeInfo.from_json(self.store.get(key))
                     pending.discard(r)
@@ -261,7 +261,7 @@ class Recovery:
         if rec is None:
             return
         gen = self.job.generation
-        done = [keys.FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
+        done = [FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
         if not self.store.check(done):
             return
         now = max(float(self.store.get(k)) for k in done)

@@ -53,7 +53,7 @@ from .keys import (
     SHADOWS_READY,
     STORE_READY,
 )
-from .messages import Heartbeat, ResumeInfo
+from .messages import Heartbeat, Promotion, ResumeInfo
 from .storage import atomic_torch_save
 
 
@@ -128,8 +128,7 @@ class Session:
                 break
             except LetoTimeoutError:  # not promoted yet; any other error: the agent is gone, nothing to shadow
                 continue
-        info = json.loads(self.store.get(key))  # {"generation": g}: written by Trainers.promote_shadows
-        self.env.generation = int(info["generation"])
+        self.env.generation = Promotion.from_json(self.store.get(key)).generation
         self.promoted_at = time.time()
 
     # -- distributed --------------------------------------------------------------------
@@ -363,7 +362,7 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
     return report
 
 
-def connect(env: SessionEnv, environ=os.environ) -> SignedStore:
+def connect(env: SessionEnv, environ: Mapping[str, str] = os.environ) -> SignedStore:
     """The agent's store, signed with the job's secret (``LETO_AUTH_KEY``, set by the agent)."""
     if CHILD_ENV not in environ:
         raise RuntimeError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import ConfigurationError
-from . import rundir
+from .rundir import DEFAULT_MODE
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LaunchSpec:
     trainer_layout: tuple[int, int, int] | None = None
     external_store: bool = False  # connect to a store hosted elsewhere (torchrun's agent store)
     store_prefix: str = ""  # namespace of the job's keys in that store
-    run_dir_mode: int = rundir.DEFAULT_MODE  # the run dir's permissions; files get them without x bits
+    run_dir_mode: int = DEFAULT_MODE  # the run dir's permissions; files get them without x bits
     secret_file: str | None = None  # the job's control-plane secret, the same on every node (runtime/auth.py)
 
     def __post_init__(self) -> None:

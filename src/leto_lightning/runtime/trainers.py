@@ -8,20 +8,21 @@ the set is one process group), and publishes when the whole shadow set is ready.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from . import keys, worker_env
 from .config import RuntimeConfig
 from .contract import ResumeMode, Role, WorkerContract, worker_environment
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
 from .events import EventLog
+from .keys import FAULT_FIRED, HEARTBEAT, PROMOTE, SHADOW_READY, SHADOW_REPLACE, SHADOWS_READY
+from .messages import Promotion
 from .procs import TrainerProcess, process_state, spawn
 from .spec import LaunchSpec
+from .worker_env import torchrun_variables
 
 
 class Trainers:
@@ -52,7 +53,7 @@ class Trainers:
         base.update(self._thread_defaults)
         # per-rank supervision: the real layout (Lightning computes ranks from it)
         local, size, node = s.trainer_layout or (local_rank, s.nproc_per_node, s.node_rank)
-        base.update(worker_env.torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self._port))
+        base.update(torchrun_variables(rank, local, s.world_size, size, node, s.master_addr, self._port))
         worker = WorkerContract(
             role=role, job_id=self.job.job_id, run_dir=os.path.abspath(s.run_dir), node_rank=node,
             generation=self.job.generation, shadow_set=self.shadow_set, shadow_level=self.shadow_level,
@@ -62,7 +63,7 @@ class Trainers:
         return worker_environment(base, worker)
 
     def pending_faults(self) -> list[dict]:
-        return [f for f in self.spec.faults if not self.store.check([keys.FAULT_FIRED.format(id=f["id"])])]
+        return [f for f in self.spec.faults if not self.store.check([FAULT_FIRED.format(id=f["id"])])]
 
     def _spawn(self, local_rank: int, role: Role, resume: ResumeMode) -> TrainerProcess:
         self.stop.check()  # nothing new starts once a stop was requested
@@ -77,7 +78,7 @@ class Trainers:
     def reset_heartbeats(self) -> None:
         """New trainers for every local rank: no heartbeat of an old one counts for them."""
         for rank in self.spec.local_ranks:
-            self.store.set(keys.HEARTBEAT.format(rank=rank), "")
+            self.store.set(HEARTBEAT.format(rank=rank), "")
         self.heartbeats.clear()
 
     def start_actives(self, resume: ResumeMode) -> None:
@@ -86,7 +87,7 @@ class Trainers:
         self.actives = {p.rank: p for p in procs}
 
     def start_shadows(self, replacement: int = 0) -> None:
-        self.store.set(keys.SHADOWS_READY, "")
+        self.store.set(SHADOWS_READY, "")
         if not self.config.shadows or not self.shadow_level:  # level 0: memory reclaim runs without one
             return
         self.shadow_set = f"{self.job.generation}-{replacement}"
@@ -99,9 +100,9 @@ class Trainers:
     # -- shadows ---------------------------------------------------------------------------------
     def publish_shadow_readiness(self) -> None:
         ranks = range(self.spec.world_size)  # a shadow set is one process group across all nodes
-        if self.shadows and not self.store.get(keys.SHADOWS_READY) and all(
-                self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
-            self.store.set(keys.SHADOWS_READY, str(self.shadow_set))
+        if self.shadows and not self.store.get(SHADOWS_READY) and all(
+                self.store.check([SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
+            self.store.set(SHADOWS_READY, str(self.shadow_set))
             self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set,
                              level=self.shadow_level, reason="ready")
 
@@ -110,12 +111,12 @@ class Trainers:
         would only hang: start cold instead)."""
         return bool(self.shadows) and all(
             p.poll() is None and not stopped(p.pid)
-            and self.store.check([keys.SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
+            and self.store.check([SHADOW_READY.format(sgen=self.shadow_set, rank=r)])
             for r, p in self.shadows.items())
 
     def promote_shadows(self) -> None:
         """The shadow set becomes the active trainers of the current generation."""
-        self.store.set(keys.PROMOTE.format(sgen=self.shadow_set), json.dumps({"generation": self.job.generation}))
+        self.store.set(PROMOTE.format(sgen=self.shadow_set), Promotion(self.job.generation).to_json())
         for p in self.shadows.values():
             p.role, p.generation = Role.ACTIVE, self.job.generation
         self.actives, self.shadows = self.shadows, {}
@@ -129,7 +130,7 @@ class Trainers:
             code, sig = p.exit_status()
             self.events.emit("shadow_failed", self.job.generation, rank=p.rank, pid=p.pid, exit_code=code,
                              signal=sig, shadow_set=p.shadow_set)
-        count = self.store.add(keys.SHADOW_REPLACE.format(gen=self.job.generation), 1 if dead else 0)
+        count = self.store.add(SHADOW_REPLACE.format(gen=self.job.generation), 1 if dead else 0)
         if count > self.replacements_seen:
             self.replace_shadows(count)
 
@@ -142,7 +143,7 @@ class Trainers:
     def claim_replacement(self) -> int:
         """Count one replacement of this generation's shadow set as this agent's own (the
         memory policy's level change): ``watch_shadows`` must not redo it."""
-        count = self.store.add(keys.SHADOW_REPLACE.format(gen=self.job.generation), 1)
+        count = self.store.add(SHADOW_REPLACE.format(gen=self.job.generation), 1)
         self.replacements_seen = count
         return count
 
