@@ -17,6 +17,7 @@ The agent is assembled from parts, each given only what it uses: ``Trainers`` (t
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -47,6 +48,7 @@ from .trainers import Trainers
 from .worker_env import omp_defaults, omp_notice
 
 __all__ = ["Agent", "JobInterrupted", "JobStopped", "LaunchSpec"]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +89,10 @@ class Agent:
     def phase(self) -> JobPhase:
         return self._phase.current
 
+    def _advance(self, new: JobPhase) -> None:
+        old = self._phase.advance(new)
+        log.debug("job phase %s -> %s (generation %d)", old.name, new.name, self.job.generation)
+
     # -- the main loop ---------------------------------------------------------------------
     def run(self) -> int:
         import torch
@@ -106,15 +112,15 @@ class Agent:
                              pid=os.getpid())
             parts.trainers.start_actives(resume=ResumeMode.FRESH)
             parts.trainers.start_shadows()
-            self._phase.advance(JobPhase.RUNNING)
+            self._advance(JobPhase.RUNNING)
             return self._loop(parts)
         except JobInterrupted as exc:
-            self._phase.advance(JobPhase.INTERRUPTED)
+            self._advance(JobPhase.INTERRUPTED)
             self.events.try_emit("job_interrupted", self.job.generation, signal=exc.signum)
             notice(f"job {exc}: trainers stopped, retained memory freed", self.out)
             return 128 + exc.signum
         except (JobStopped, StorageError) as exc:  # a full run dir: no restart can help
-            self._phase.advance(JobPhase.STOPPED)
+            self._advance(JobPhase.STOPPED)
             self.events.try_emit("job_stopped", self.job.generation, reason=str(exc))
             notice(f"job stopped: {exc}", self.out)
             return 3
@@ -132,13 +138,13 @@ class Agent:
                 parts.lockstep.wait_other_nodes_done()
                 self.events.emit("job_finished", self.job.generation, exit_code=finished,
                                  recoveries=self.job.generation)
-                self._phase.advance(JobPhase.FINISHED)
+                self._advance(JobPhase.FINISHED)
                 return finished
             failure = parts.detector.detect()
             if failure is not None:
-                self._phase.advance(JobPhase.RECOVERING)
+                self._advance(JobPhase.RECOVERING)
                 parts.recovery.handle(failure)
-                self._phase.advance(JobPhase.RUNNING)
+                self._advance(JobPhase.RUNNING)
             else:
                 parts.trainers.watch_shadows()
                 parts.trainers.publish_shadow_readiness()

@@ -71,7 +71,8 @@ class Recovery:
         return self.phase is not Phase.IDLE
 
     def _advance(self, new: RecoveryPhase) -> None:
-        self._phase.advance(new)
+        old = self._phase.advance(new)
+        log.debug("recovery phase %s -> %s (generation %d)", old.name, new.name, self.job.generation)
 
     # -- one failure, until it is handled ------------------------------------------------------
     def handle(self, failure: Failure) -> None:
