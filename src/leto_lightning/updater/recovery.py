@@ -43,7 +43,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CHECKPOINT_ADVICE, ConfigurationError, LetoError, RecoveryError, UnrecoverableDamageError
+from ..errors import (
+    CHECKPOINT_ADVICE,
+    ConfigurationError,
+    InternalError,
+    LetoError,
+    RecoveryError,
+    UnrecoverableDamageError,
+)
 from ..faults.points import point
 from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
 from ..retained.record import ProgressEntry, RecordStatus, read_all
@@ -202,7 +209,8 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
 
     Raises only ``LetoError``s: ``IncompleteStoreError`` (a store never finished set-up),
     ``UnrecoverableDamageError`` (damage beyond copies and parity), ``RecoveryError``; each
-    means "resume from the last checkpoint".
+    means "resume from the last checkpoint". Anything else is a bug and surfaces as
+    ``InternalError`` (never caught as a reason to fall back).
     """
     if not stores:
         raise ConfigurationError("recover_node needs at least one store: {local rank: RetainedStore.attach(job, rank)}")
@@ -210,9 +218,12 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
         return _recover_node(stores, codes, agree)
     except LetoError:
         raise
-    except Exception as exc:  # a bug or an unforeseen state: never let it pass as something else
-        raise RecoveryError(f"recovery of ranks {[s.spec.rank for s in stores.values()]} failed unexpectedly "
-                            f"({type(exc).__name__}: {exc}). {CHECKPOINT_ADVICE}") from exc
+    except OSError as exc:  # the machine refused (shared memory gone, no space): the retained state is unusable
+        raise RecoveryError(f"recovery of ranks {[s.spec.rank for s in stores.values()]} failed: "
+                            f"{type(exc).__name__}: {exc}. {CHECKPOINT_ADVICE}") from exc
+    except Exception as exc:  # a bug: it must surface, never pass as "resume from the checkpoint"
+        raise InternalError(f"recovery of ranks {[s.spec.rank for s in stores.values()]} failed unexpectedly "
+                            f"({type(exc).__name__}: {exc}); this is a bug in leto-lightning") from exc
 
 
 def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None, agree) -> dict[int, RecoveryReport]:
