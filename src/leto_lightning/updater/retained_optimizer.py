@@ -266,6 +266,11 @@ class RetainedOptimizer:
             self._received.add(index)
         return hook
 
+    def mark_received(self, index: int) -> None:
+        """Param ``index`` got its gradient this step, written into its retained view by
+        something other than autograd's accumulation (FSDP2's reduce-scatter: updater.fsdp2)."""
+        self._received.add(index)
+
     # -- the training-loop API -----------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place (they stay views); params that then receive no

@@ -1,0 +1,278 @@
+"""Bind a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) to retained memory.
+
+FSDP2 keeps, per parameter, an ``FSDPParam`` whose ``_sharded_param_data`` is this rank's
+*padded* local shard (flat) and whose ``sharded_param`` (a DTensor, the ``nn.Parameter`` the
+optimizer sees) has ``_local_tensor``, a view of its real rows. Every forward all-gathers from
+``_sharded_param_data``; the reduce-scatter adds each step's gradient in place into an existing
+``sharded_param.grad`` (a DTensor). So pointing those three at retained views keeps the shard's
+params (the fp32 master copy), grads and optimizer state in the rank's store, and after a
+roll-forward nothing needs rebuilding: the next forward gathers from the retained shards.
+
+The optimizer is re-pointed too: its param groups get one plain *alias* parameter per
+``FSDPParam``, shaped like the padded local shard (``retained.shards``), so ``RetainedOptimizer``
+runs the update as chunk transactions over local memory only. An LR scheduler built on the
+optimizer keeps working (same param-group dicts). Gradient clipping with
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` runs on the DTensor gradients, which
+are views of the retained gradients, before ``step()`` (prepare).
+
+This touches private torch attributes (listed in ``PRIVATE_ATTRIBUTES``): it runs only on the
+torch versions in ``SUPPORTED_TORCH`` and fails naming the attribute when one is missing.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from ..errors import ConfigurationError, UsageError
+from ..retained.config import RetainedConfig
+from ..retained.layout import GRAD, PARAM, ParamSlot
+from ..retained.shards import LocalShard, shard_layout
+from ..retained.store import RetainedStore, StoreSpec
+from .retained_optimizer import RetainedOptimizer, encode_tier2, hyperparameters, optimizer_family
+from .transaction import ParityCodes
+
+SUPPORTED_TORCH = ((2, 13), (2, 14))  # [low, high): the versions whose FSDP2 internals this was tested on
+# (owner, attribute): what this module reads or re-points.
+PRIVATE_ATTRIBUTES = (
+    ("FSDPModule", "_get_fsdp_state"),
+    ("FSDPState", "_fsdp_param_groups"),
+    ("FSDPParamGroup", "fsdp_params"),
+    ("FSDPParam", "sharded_param"),
+    ("FSDPParam", "_sharded_param_data"),
+    ("FSDPParam", "padded_sharded_param_size"),
+    ("FSDPParam", "sharded_size"),
+    ("FSDPParam", "fsdp_placement"),
+    ("FSDPParam", "to_sharded_dtensor"),
+    ("DTensor", "_local_tensor"),
+)
+
+
+class FSDP2InternalsError(ConfigurationError):
+    """This torch's FSDP2 does not have the private attributes the retained binding uses."""
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Refuse torch versions whose FSDP2 internals were not tested (``SUPPORTED_TORCH``)."""
+    version = version or torch.__version__
+    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
+        raise FSDP2InternalsError(
+            f"torch {version}: retained FSDP2 state is tested on torch >={lo_major}.{lo_minor},"
+            f"<{hi_major}.{hi_minor} (it re-points private FSDP2 attributes); install a torch in that range")
+
+
+def private(obj: object, name: str) -> Any:
+    """``getattr(obj, name)``, or an error naming the attribute that moved."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise FSDP2InternalsError(
+            f"torch {torch.__version__}: {type(obj).__name__}.{name} is missing: FSDP2's internals moved, and the "
+            f"retained binding (leto_lightning.updater.fsdp2) must be adapted to this torch") from None
+
+
+def fsdp_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, Any]:
+    """Every FSDP2 sharded parameter of ``model`` -> its ``FSDPParam``."""
+    found: dict[torch.nn.Parameter, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = private(module, "_get_fsdp_state")()
+        for group in private(state, "_fsdp_param_groups") or ():
+            for fsdp_param in private(group, "fsdp_params"):
+                found[private(fsdp_param, "sharded_param")] = fsdp_param
+    return found
+
+
+def local_shard(fsdp_param: Any, name: str) -> LocalShard:
+    """What this rank holds of one parameter (only ``Shard(0)`` on a 1-D mesh)."""
+    placement = private(fsdp_param, "fsdp_placement")
+    param = private(fsdp_param, "sharded_param")
+    if not isinstance(placement, Shard) or placement.dim != 0 or param.device_mesh.ndim != 1:
+        raise ConfigurationError(f"param {name}: placement {placement} on a {param.device_mesh.ndim}-D mesh; retained "
+                                 "FSDP2 state supports Shard(0) on a 1-D mesh (plain fully_shard, no HSDP) for now")
+    padded = tuple(private(fsdp_param, "padded_sharded_param_size"))
+    sharded = tuple(private(fsdp_param, "sharded_size"))
+    flat = private(fsdp_param, "_sharded_param_data")
+    if flat.numel() != LocalShard(name, tuple(param.shape), padded, sharded[0], param.dtype).padded_numel:
+        raise FSDP2InternalsError(f"param {name}: FSDPParam._sharded_param_data has {flat.numel()} elements, "
+                                  f"the padded shard {padded}: FSDP2's internals changed")
+    return LocalShard(name, tuple(param.shape), padded, sharded[0], param.dtype)
+
+
+class RetainedFSDP2:
+    """An FSDP2 model's local shards and their optimizer, bound to one rank's retained store.
+
+    The optimizer's ``step`` and ``zero_grad`` become this object's (instance attributes, so the
+    training loop stays as it was): a step is a chunk transaction, and zeroing keeps every
+    gradient a retained view. Build LR schedulers after binding (they wrap ``step``)."""
+
+    def __init__(self, ro: RetainedOptimizer, sharded: Sequence[tuple[torch.nn.Parameter, Any]]) -> None:
+        self.ro = ro
+        self.optimizer = ro.optimizer
+        self.store = ro.store
+        self._sharded = list(sharded)  # (DTensor param, FSDPParam), in the optimizer's order
+        self._grad_views = [self._real_rows(slot, GRAD) for slot in ro.layout.params]
+        self._repoint()
+        # Methods bound to the optimizer (an LR scheduler re-binds the step it wraps to it).
+        self.optimizer._leto_fsdp2 = self  # type: ignore[attr-defined]
+        self.optimizer.step = types.MethodType(_optimizer_step, self.optimizer)  # type: ignore[method-assign]
+        self.optimizer.zero_grad = types.MethodType(_optimizer_zero_grad, self.optimizer)  # type: ignore[method-assign]
+
+    def _real_rows(self, slot: ParamSlot, kind: str) -> torch.Tensor:
+        fsdp_param = self._sharded[slot.index][1]
+        view = self.store.param_view(slot, kind)
+        return view.narrow(0, 0, private(fsdp_param, "sharded_size")[0])
+
+    def _repoint(self) -> None:
+        for slot, (param, fsdp_param) in zip(self.ro.layout.params, self._sharded):
+            view = self.store.param_view(slot, PARAM)
+            fsdp_param._sharded_param_data = view.view(-1)  # what every forward all-gathers
+            # the DTensor parameter's local rows (typed as nn.Parameter, it is a DTensor)
+            param._local_tensor = view.narrow(0, 0, private(fsdp_param, "sharded_size")[0])  # type: ignore[attr-defined]
+            param.grad = fsdp_param.to_sharded_dtensor(self._grad_views[slot.index])
+            param.register_post_accumulate_grad_hook(self._received(slot.index))
+
+    def _received(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self.ro.mark_received(index)
+        return hook
+
+    @property
+    def iteration(self) -> int:
+        return self.ro.iteration
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the retained gradients in place; DTensor gradients something replaced (e.g.
+        ``model.zero_grad()``) point at their retained views again."""
+        self.ro.zero_grad(set_to_none)
+        for (param, fsdp_param), view in zip(self._sharded, self._grad_views):
+            if not isinstance(param.grad, DTensor) or param.grad._local_tensor.data_ptr() != view.data_ptr():
+                param.grad = fsdp_param.to_sharded_dtensor(view)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The update of this rank's shards as chunk transactions (after clipping)."""
+        loss = closure() if closure is not None else None
+        for i, ((param, fsdp_param), view) in enumerate(zip(self._sharded, self._grad_views)):
+            grad = param.grad
+            if grad is None:
+                continue  # no gradient: skipped, as torch.optim skips it
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            if local.data_ptr() != view.data_ptr():  # a new gradient tensor: bring it in
+                view.copy_(local)
+                param.grad = fsdp_param.to_sharded_dtensor(view)
+                self.ro.mark_received(i)
+        self.ro.step()
+        return loss
+
+    def record_committed(self, payload: object) -> None:
+        self.ro.record_committed(payload)
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    return optimizer._leto_fsdp2.step(closure)  # type: ignore[attr-defined]
+
+
+def _optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    optimizer._leto_fsdp2.zero_grad(set_to_none)  # type: ignore[attr-defined]
+
+
+def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              ) -> tuple[list[list[LocalShard]], list[tuple[torch.nn.Parameter, Any]]]:
+    """The local shards per param group, and the optimizer's params re-pointed at aliases."""
+    check_torch_version()
+    if optimizer_family(optimizer) == "generic":
+        raise ConfigurationError(f"{type(optimizer).__name__}: retained FSDP2 state supports torch.optim.SGD, Adam "
+                                 "and AdamW for now")
+    if any(optimizer.state.values()):
+        raise UsageError("bind FSDP2 shards to retained memory before the optimizer's first step (its state must "
+                         "still be empty)")
+    by_param, names = fsdp_params(model), {p: n for n, p in model.named_parameters()}
+    shards: list[list[LocalShard]] = []
+    sharded: list[tuple[torch.nn.Parameter, Any]] = []
+    for group in optimizer.param_groups:
+        members, aliases = [], []
+        for p in group["params"]:
+            if p not in by_param:
+                raise ConfigurationError(f"param {names.get(p, '?')} of the optimizer is not sharded by fully_shard: "
+                                         "shard every module whose parameters the optimizer updates")
+            shard = local_shard(by_param[p], names.get(p, "?"))
+            members.append(shard)
+            sharded.append((p, by_param[p]))
+            flat = private(by_param[p], "_sharded_param_data")
+            aliases.append(torch.nn.Parameter(flat.view(shard.padded_shape), requires_grad=p.requires_grad))
+        shards.append(members)
+        group["params"] = aliases
+    return shards, sharded
+
+
+def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, *, job_id: str,
+                 rank: int, node: int = 0, local_rank: int = 0, n_local: int = 1,
+                 barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
+                 ) -> RetainedFSDP2:
+    """A new store for this rank's local shards, bound, encoded (tier 2 across the node's ranks)
+    and marked complete. ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
+    config.check_devices(n_local)
+    hparams = hyperparameters(optimizer)
+    shards, sharded = _bindable(model, optimizer)
+    layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
+                          page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
+    spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
+    if spec.tier2.enabled and barrier is None:
+        raise UsageError(f"tier 2 across {n_local} local ranks needs a barrier over the node's ranks")
+    try:
+        store = RetainedStore.create(spec)
+    except FileExistsError:
+        raise UsageError(f"retained memory of job {job_id!r} rank {rank} already exists: attach to it "
+                         "(attach_fsdp2), or free it (`leto cleanup`) to start over") from None
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
+    ro.bind(adopt=False)
+    bound = RetainedFSDP2(ro, sharded)
+    _encode_node_parity(store, barrier)
+    store.mark_complete()
+    return bound
+
+
+def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job_id: str, rank: int,
+                 barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
+                 ) -> RetainedFSDP2:
+    """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
+    local shards, their grads and optimizer state become its views and take its values."""
+    hparams = hyperparameters(optimizer)
+    shards, sharded = _bindable(model, optimizer)
+    store = RetainedStore.attach(job_id, rank)
+    expected = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
+                            page_bytes=store.layout.page_bytes, chunk_pages=store.layout.chunk_pages)
+    if expected != store.layout:
+        store.close()
+        raise ConfigurationError(f"rank {rank}: the model's local shards ({expected.describe()}) do not match the "
+                                 f"retained store of job {job_id!r} ({store.layout.describe()})")
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
+    ro.bind(adopt=True)
+    return RetainedFSDP2(ro, sharded)
+
+
+def _encode_node_parity(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
+    """Tier 2 spans the node's ranks: once every local rank is bound, local rank 0 encodes the
+    stripes from all of them (each rank keeps them current by deltas afterwards)."""
+    spec = store.spec
+    if not spec.tier2.enabled:
+        return
+    assert barrier is not None  # checked by create_fsdp2
+    barrier()
+    if spec.local_rank == 0:
+        first = spec.rank - spec.local_rank
+        peers = [RetainedStore.attach(spec.job_id, first + i) for i in range(1, spec.n_local)]
+        try:
+            encode_tier2([store, *peers], ParityCodes(store))
+        finally:
+            for peer in peers:
+                peer.close()
+    barrier()

@@ -1,0 +1,156 @@
+"""A tiny FSDP2 training job on gloo, run by forked ranks (one pytest process forks them).
+
+Each rank writes what it ends with (local shards of the params, AdamW state, losses) to a file;
+the parent compares the files. Uneven shards: the layers' dim 0 (5 and 3) do not divide by 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
+
+WORLD = 2
+ACCUMULATE = 2
+MAX_NORM = 0.05  # small enough that every step clips
+CONFIG = RetainedConfig(page_bytes=64, data_pages=2, tier1_parity=1, tier2_parity=1, record_bytes=4096)
+
+
+@dataclass(frozen=True)
+class Job:
+    rendezvous: str  # FileStore path (no ports)
+    out_dir: str
+    steps: int
+    retained: bool = False
+    job_id: str = ""
+    attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
+
+
+def build(job: Job):
+    """Model, optimizer, schedule, the binding (retained runs) and the first iteration to run."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    bound: RetainedFSDP2 | None = None
+    if job.retained:
+        rank = dist.get_rank()
+        if job.attach:
+            bound = attach_fsdp2(model, optimizer, job_id=job.job_id, rank=rank, barrier=dist.barrier)
+        else:
+            bound = create_fsdp2(model, optimizer, CONFIG, job_id=job.job_id, rank=rank, local_rank=rank,
+                                 n_local=WORLD, barrier=dist.barrier)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    start = bound.iteration if bound is not None else 0
+    for _ in range(start):  # a re-bound run: the schedule where the retained run left it
+        schedule.step()
+    return model, optimizer, schedule, bound, start
+
+
+def batches(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randn(4, 6, generator=gen) for _ in range(ACCUMULATE)]
+
+
+def train(job: Job, rank: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(job.rendezvous, WORLD), rank=rank, world_size=WORLD)
+    try:
+        model, optimizer, schedule, bound, start = build(job)
+        losses, norms = [], []
+        for step in range(start, job.steps):
+            for x in batches(rank, step):
+                loss = model(x).pow(2).mean() / ACCUMULATE
+                loss.backward()
+                losses.append(loss.detach().clone())
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm.clone())
+            optimizer.step()  # retained: the binding's chunk transactions
+            optimizer.zero_grad()
+            schedule.step()
+        result = {"losses": losses, "norms": norms, **final_state(model, optimizer, bound)}
+        torch.save(result, os.path.join(job.out_dir, f"r{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def final_state(model, optimizer, bound: RetainedFSDP2 | None) -> dict:
+    """Local real rows of every param and of its AdamW state (the retained ones are padded
+    views: narrowed to the real rows, and their padding must be zero)."""
+    params = [p for _, p in model.named_parameters()]
+    out: dict = {"params": [p.to_local().clone() for p in params], "state": []}
+    if bound is None:
+        for p in params:
+            st = optimizer.state[p]
+            out["state"].append({k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items()})
+        return out
+    data = bound.store.data
+    lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+    out["in_store"] = all(lo <= p.to_local().data_ptr() < hi for p in params) and all(
+        lo <= p.grad.to_local().data_ptr() < hi for p in params)
+    out["padding_zero"] = True
+    out["iteration"] = bound.iteration
+    out["versions"] = bound.store.versions().tolist()
+    for p, alias in zip(params, (a for g in optimizer.param_groups for a in g["params"])):
+        rows = p.to_local().shape[0]
+        st = {}
+        for k, v in optimizer.state[alias].items():
+            if v.dim():
+                out["padding_zero"] &= bool((v[rows:] == 0).all())
+                v = v[:rows]
+            st[k] = v.clone()
+        out["padding_zero"] &= bool((alias.detach()[rows:] == 0).all())
+        out["state"].append(st)
+    return out
+
+
+def run_ranks(job: Job, timeout: float = 90.0, kill: Callable[[int], bool] | None = None) -> dict[int, int]:
+    """Fork one child per rank running ``train``; reap every one by pid. Returns rank -> exit code."""
+    pids = {}
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                train(job, rank)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids[rank] = pid
+    return reap(pids, timeout)
+
+
+def reap(pids: dict[int, int], timeout: float) -> dict[int, int]:
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(codes) < len(pids) and time.monotonic() < deadline:
+            for rank, pid in pids.items():
+                if rank not in codes:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[rank] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+    finally:
+        for rank, pid in pids.items():
+            if rank not in codes:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                codes[rank] = -signal.SIGKILL
+    return codes
