@@ -14,6 +14,10 @@ What it changes in ``Accelerator`` (each measured against Accelerate 1.15; docs/
   parameters, gradients and optimizer state to retained memory (``binding.py``);
 - ``leto_resume()`` -- after a recovery, puts back what ``save_state`` would plus the data
   position (``payload.py``) and returns where the loop continues;
+- ``save_state``/``load_state`` -- Accelerate's checkpoint plus the Leto payload; loading after
+  ``prepare()`` re-initialises the retained store from it (``checkpoint.py``);
+- ``init_trackers`` -- one wandb group per job; the main process logs the recovery metrics
+  (``recovery_log.py``);
 - ``end_training`` -- also tells the agent the job finished (a crash during interpreter exit is
   then no failure) and, without an agent, frees the retained memory.
 """
@@ -40,6 +44,7 @@ from ...runtime import per_rank
 from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
 from ...updater.retained_optimizer import RetainedOptimizer
+from . import checkpoint
 from .binding import agreed_job_id, param_names
 from .binding import attach as attach_store
 from .binding import create as create_store
@@ -48,6 +53,7 @@ from .config import LetoConfig
 from .loader import is_positioned, positioned
 from .optimizer import LetoAcceleratedOptimizer
 from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
+from .recovery_log import RecoveryLog, tracker_kwargs
 from .state import RunState
 
 log = logging.getLogger(__name__)
@@ -73,11 +79,14 @@ class LetoAccelerator(Accelerator):
         self.leto_optimizer: LetoAcceleratedOptimizer | None = None
         self.leto_loaders: list = []
         self.leto_recoveries = 0
+        self.leto_recovery_log = RecoveryLog()  # recovery metrics through the trackers (recovery_log.py)
         self.leto_state = RunState()  # the start mode and the step phase (state.py)
         self._leto_payload: Any = None
         self._leto_point: ResumePoint | None = None
         self._last_loader: Any = None
         self._train_loader: Any = None
+        self._leto_start_iteration = 0  # the retained iteration this process started at (checkpoint.py)
+        self._leto_from_checkpoint = False  # the payload to resume from came from load_state, not a recovery
         if self.runtime is None and os.environ.get("TORCHELASTIC_RUN_ID"):
             launch = per_rank.from_torchrun()
             per_rank.check_numbering(launch, WHO)
@@ -213,6 +222,8 @@ class LetoAccelerator(Accelerator):
             self.leto_state.recorded()
             self._record(capture(self, BOUNDARY, loader))
         self._last_loader = loader
+        if loader is self._train_loader:
+            self.leto_recovery_log.log_new(self, ro.iteration)
         if self.runtime is not None:
             self.runtime.batch_start(ro.iteration)
         else:
@@ -246,7 +257,7 @@ class LetoAccelerator(Accelerator):
         self.retained.zero_grad()  # a crashed accumulation's partial gradients are dropped
         payload = self._leto_payload
         self._leto_point = restore(self, payload) if payload is not None else None
-        self.leto_recoveries = (payload or {}).get("recoveries", 0) + 1
+        self.leto_recoveries = (payload or {}).get("recoveries", 0) + (0 if self._leto_from_checkpoint else 1)
         if self.runtime is not None and self.runtime.resume_pending:
             self.runtime.resumed(self.retained.iteration)
         if self.trackers and self.is_main_process:
@@ -256,22 +267,43 @@ class LetoAccelerator(Accelerator):
         return self._leto_point
 
     @override
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
-        """Refused once bound: Accelerate would load weights and replace the optimizer's state
-        tensors outside any transaction (stale parity, state no longer in retained memory)."""
-        if self.retained is not None:
-            raise UsageError(f"{WHO}.load_state() after prepare(): loading a checkpoint into retained memory is not "
-                             "supported yet -- recovery from retained memory needs no checkpoint; to start from one, "
-                             "use the plain Accelerator for that run")
-        return super().load_state(input_dir, **kwargs)
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        """Accelerate's checkpoint plus this rank's Leto payload (``checkpoint.py``)."""
+        if self.retained is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        with checkpoint.compact_saves(self):
+            location = super().save_state(output_dir, safe_serialization, **kwargs)
+        checkpoint.save(self, str(location))
+        return location
 
-    # -- the end --------------------------------------------------------------------------------
+    @override
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> Any:
+        """Once bound: a fresh process re-initialises its retained store from the checkpoint and
+        ``leto_resume()`` says where to continue; a continuing one loads nothing (``checkpoint.py``)."""
+        if self.retained is None:
+            return super().load_state(input_dir, **kwargs)
+        return checkpoint.load(self, input_dir, lambda where: super(LetoAccelerator, self).load_state(where, **kwargs),
+                               strict=kwargs.get("strict", True))
+
+    # -- trackers and the end -----------------------------------------------------------------
+    @override
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Accelerate's trackers; under an agent one wandb group per job, and the main process
+        logs the recovery metrics (``recovery_log.py``)."""
+        if self.runtime is not None:
+            init_kwargs = tracker_kwargs(init_kwargs, self.runtime.run_dir)
+            if self.is_main_process:
+                self.leto_recovery_log.start(self.runtime.run_dir)
+        super().init_trackers(project_name, config, init_kwargs)
+
     @override
     def end_training(self) -> None:
         ro = self.retained
         if ro is not None and ro.rollback_window and self.leto_state.boundary_due():
             self.leto_state.recorded()
             self._record(capture(self, BOUNDARY, self._train_loader))  # the last step is complete
+        if ro is not None:
+            self.leto_recovery_log.finish(self, ro.iteration)
         super().end_training()
         if self.runtime is not None and self.runtime.session is not None:
             self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure

@@ -44,6 +44,7 @@ class ResumableAccelerator(Protocol):
     leto_optimizer: Any
     leto_loaders: list[Any]
     leto_recoveries: int
+    leto_recovery_log: Any
     retained: Any
 
 PAYLOAD_VERSION = 1
@@ -74,6 +75,7 @@ def capture(acc: ResumableAccelerator, kind: str, loader: Any | None) -> dict:
         "loader": loader.leto_position() if loader is not None else None,
         "epochs": [int(getattr(dl, "iteration", 0)) for dl in acc.leto_loaders],
         "recoveries": acc.leto_recoveries,
+        "recovery_log": acc.leto_recovery_log.state(),
     }
 
 
@@ -87,6 +89,7 @@ def restore(acc: ResumableAccelerator, payload: dict) -> ResumePoint:
         acc.scaler.load_state_dict(payload["scaler"])
     for obj, state in zip(acc._custom_objects, payload["custom"]):
         obj.load_state_dict(state)
+    acc.leto_recovery_log.restore(payload.get("recovery_log"))
     if payload["kind"] == PREPARE:
         finish_step(acc)
     for dl, epoch in zip(acc.leto_loaders, payload["epochs"]):

@@ -8,6 +8,8 @@ transition against its table and raises ``InternalError`` for any other.
     UNBOUND --bound(continuing=False)--> FRESH       a new store; ``leto_resume()`` returns None
             --bound(continuing=True)---> CONTINUING  attached to a job's retained store: the loop
                                                      must call ``leto_resume()`` before training
+    FRESH --loaded--> CONTINUING                     ``load_state()`` re-initialised the store from a
+                                                     checkpoint: ``leto_resume()`` says where it was
     CONTINUING --resumed--> RESUMED                  ``leto_resume()`` put everything back
     FRESH, CONTINUING, RESUMED --unbound--> UNBOUND  ``end_training`` freed the store (no agent)
 
@@ -47,7 +49,7 @@ class StepPhase(Enum):
 _BOUND = frozenset({StartMode.FRESH, StartMode.CONTINUING, StartMode.RESUMED})
 _START_NEXT: dict[StartMode, frozenset[StartMode]] = {
     StartMode.UNBOUND: frozenset({StartMode.FRESH, StartMode.CONTINUING}),
-    StartMode.FRESH: frozenset({StartMode.UNBOUND}),
+    StartMode.FRESH: frozenset({StartMode.UNBOUND, StartMode.CONTINUING}),
     StartMode.CONTINUING: frozenset({StartMode.RESUMED, StartMode.UNBOUND}),
     StartMode.RESUMED: frozenset({StartMode.UNBOUND}),
 }
@@ -88,6 +90,9 @@ class RunState:
 
     def bound(self, continuing: bool) -> None:
         self._set_start(StartMode.CONTINUING if continuing else StartMode.FRESH)
+
+    def loaded(self) -> None:
+        self._set_start(StartMode.CONTINUING)
 
     def resumed(self) -> None:
         self._set_start(StartMode.RESUMED)

@@ -1,0 +1,211 @@
+"""``save_state``/``load_state`` of ``LetoAccelerator``: Accelerate's checkpoint plus Leto's payload.
+
+A checkpoint restart (the whole job stopped -- preempted, a failure the agents could not
+recover in place -- and started again from a checkpoint directory) is exact when the
+directory holds, besides Accelerate's own files, what a recovery from retained memory uses:
+the retained iteration and the resume payload (``payload.py``: the data position, the random
+state, ``accelerator.step``, schedulers, scaler, registered objects). Each rank writes its own
+``leto_state_<rank>.pt`` next to Accelerate's ``random_states_<rank>.pkl``.
+
+**Saving.** ``save_state`` is Accelerate's; the parameters and optimizer state it writes are
+copies (``compact_saves``): they are views into retained memory, and Accelerate's safetensors
+writer drops tensors whose storage another tensor shares (every parameter but one), while
+``torch.save`` would write each view's whole shared segment. The payload is of kind
+``"saved"``: captured in the loop's body after the step (or after an epoch's last batch), it
+needs nothing finished and puts the random state back before the next batch is fetched.
+
+**Loading**, after ``prepare()`` (where Accelerate users call it), on every rank:
+
+- in a fresh process, before its first optimizer step: the store is marked incomplete (a crash
+  from here on leaves nothing that passes for retained state), Accelerate loads the files --
+  weights land in the retained parameters, the optimizer's state in new tensors -- and the store
+  is initialised again from what was loaded, exactly as a new store is: values copied in, tier 1
+  encoded, the record committed at the saved iteration with the saved payload, tier 2 encoded
+  across the node, the store marked complete. Then ``leto_resume()`` returns where the loop
+  continues (a directory without Leto's file, e.g. from a plain ``Accelerator``: the loaded
+  state is retained, ``leto_resume()`` returns None and the loop positions itself);
+- in a process that continues from retained memory (a promoted shadow, a trainer restarted on
+  the retained state): nothing is loaded -- retained memory is newer than any checkpoint -- so a
+  script that always calls ``load_state(args.resume_from)`` stays correct after a recovery;
+- after this process stepped: refused (a ``UsageError``), as the loaded state would replace
+  steps already committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import safetensors.torch
+import torch
+from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
+
+from ...errors import ConfigurationError, UsageError
+from .binding import encode_node_parity
+from .payload import ResumableAccelerator, capture
+
+log = logging.getLogger(__name__)
+
+SAVED = "saved"  # the payload kind of a checkpoint (module doc)
+FILE = "leto_state_{rank}.pt"
+VERSION = 1
+
+
+class CheckpointedAccelerator(ResumableAccelerator, Protocol):
+    """What this module reads on ``LetoAccelerator`` (a protocol: this module sits below it)."""
+
+    leto_state: Any
+    process_index: int
+    project_dir: Any
+    project_configuration: Any
+    gradient_state: Any
+    _train_loader: Any
+    _leto_payload: Any
+    _leto_start_iteration: int
+    _leto_from_checkpoint: bool
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+
+    def _ranks(self) -> dict[str, int]: ...
+
+    def _barrier(self) -> Callable[[], None] | None: ...
+
+
+def _copies(state: Any) -> Any:
+    """A state dict whose tensors own their storage (module doc)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, OrderedDict):  # a module's state dict: keep its version metadata
+        out: OrderedDict = OrderedDict((k, _copies(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):
+            out._metadata = state._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(state, dict):
+        return {k: _copies(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copies(v) for v in state]
+    return state
+
+
+@contextlib.contextmanager
+def compact_saves(acc: CheckpointedAccelerator) -> Iterator[None]:
+    """While Accelerate saves: its weights and the optimizer's state dict are copies."""
+
+    def copy_weights(_models: list, weights: list, _output_dir: str) -> None:
+        for i, weight in enumerate(weights):
+            weights[i] = _copies(weight)
+
+    handle = acc.register_save_state_pre_hook(copy_weights)
+    opt = acc.leto_optimizer
+    opt.state_dict = lambda: _copies(type(opt).state_dict(opt))  # an instance attribute, removed below
+    try:
+        yield
+    finally:
+        handle.remove()
+        del opt.state_dict
+
+
+def saved_payload(acc: CheckpointedAccelerator) -> dict:
+    """The payload at ``save_state``: the training loader's position now. After the loader's
+    pass ended (``save_state`` after an epoch's last batch), the next pass starts from here."""
+    loader = acc._train_loader
+    payload = capture(acc, SAVED, loader)
+    where = payload["loader"]
+    if where is not None and not any(ref is loader for ref in acc.gradient_state.dataloader_references):
+        payload["loader"] = dict(where, yielded=0, epoch_rng=where["rng"])  # Accelerate counted the pass
+    return payload
+
+
+def save(acc: CheckpointedAccelerator, output_dir: str) -> None:
+    """Write this rank's Leto file into the checkpoint directory Accelerate just wrote."""
+    os.makedirs(output_dir, exist_ok=True)
+    acc.leto_recovery_log.saved_iteration = acc.retained.iteration  # the newest checkpoint (kept_iterations)
+    state = {"version": VERSION, "iteration": acc.retained.iteration, "payload": saved_payload(acc)}
+    path = os.path.join(output_dir, FILE.format(rank=acc.process_index))
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a crash while writing leaves the previous file, never half of one
+
+
+def resolve(acc: CheckpointedAccelerator, input_dir: str | None) -> str:
+    """The directory ``Accelerator.load_state`` will read (its own rule for ``None``)."""
+    if input_dir is not None:
+        return os.path.expanduser(input_dir)
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        return ""  # Accelerate raises its own error
+    root = os.path.join(acc.project_dir, "checkpoints")
+    folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"([0-9]+)(?=[^/]*$)", f)[0]))
+    return os.path.join(root, folders[-1])
+
+
+def read(directory: str, rank: int) -> dict | None:
+    path = os.path.join(directory, FILE.format(rank=rank))
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, weights_only=False)  # this job's own file, written by save() above
+    if not isinstance(state, dict) or state.get("version") != VERSION:
+        raise ConfigurationError(f"{path}: not a Leto checkpoint file of version {VERSION} -- save the checkpoint "
+                                 "again with this version of LetoAccelerator.save_state")
+    return state
+
+
+def weights_into_retained(strict: bool) -> Callable[[list, str], None]:
+    """A load-state pre-hook: the models' weights copied into their (retained) parameters, in
+    place. Accelerate's safetensors loader refuses models whose parameters share one storage,
+    as retained views do; the hook loads them itself and takes them off Accelerate's list
+    (the pattern Accelerate documents for custom model loading)."""
+
+    def load_weights(models: list, input_dir: str) -> None:
+        for i, model in enumerate(models):
+            ending = f"_{i}" if i > 0 else ""
+            safe = os.path.join(input_dir, f"{SAFE_MODEL_NAME}{ending}.safetensors")
+            if os.path.exists(safe):
+                weights = safetensors.torch.load_file(safe, device="cpu")
+            else:
+                weights = torch.load(os.path.join(input_dir, f"{MODEL_NAME}{ending}.bin"), map_location="cpu")
+            model.load_state_dict(weights, strict=strict)
+        models.clear()
+
+    return load_weights
+
+
+def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callable[[str | None], Any],
+         strict: bool = True) -> Any:
+    """``load_state`` once bound (module doc); ``load_files``: Accelerate's own ``load_state``."""
+    ro = acc.retained
+    if acc.leto_state.continuing:
+        log.info("LetoAccelerator.load_state(%s): this process continues from retained memory, which is newer "
+                 "than any checkpoint: nothing loaded", input_dir)
+        return None
+    if ro.iteration != acc._leto_start_iteration:
+        raise UsageError("LetoAccelerator.load_state() after an optimizer step: it would replace committed steps "
+                         "-- call it after prepare() and before the training loop")
+    directory = resolve(acc, input_dir)
+    saved = read(directory, acc.process_index) if directory and os.path.isdir(directory) else None
+    ro.store.clear_complete()  # weights are loaded into retained memory: incomplete until re-encoded
+    handle = acc.register_load_state_pre_hook(weights_into_retained(strict))
+    try:
+        result = load_files(input_dir)
+    finally:
+        handle.remove()
+    iteration = int(saved["iteration"]) if saved is not None else 0
+    payload = saved["payload"] if saved is not None else None
+    if payload is not None:  # a new job: its recoveries are its own; the checkpoint is the newest one
+        payload = dict(payload, recovery_log={"saved": iteration})
+    ro.bind(adopt=False, iteration=iteration, payload=payload)  # the new-store path: copy in, encode, commit
+    encode_node_parity(ro.store, acc._ranks(), acc._barrier())
+    ro.store.mark_complete()
+    acc._leto_start_iteration = iteration
+    if payload is not None:
+        acc._leto_payload = payload
+        acc._leto_from_checkpoint = True
+        acc.leto_state.loaded()
+    log.info("LetoAccelerator: loaded %s into retained memory at step %d%s", directory, iteration,
+             "" if payload is not None else " (no Leto payload: the loop positions itself)")
+    return result
