@@ -20,6 +20,7 @@ import torch
 from ..errors import (
     CHECKPOINT_ADVICE,
     ConfigurationError,
+    InternalError,
     LetoError,
     RecoveryError,
     UnrecoverableDamageError,
@@ -167,11 +168,13 @@ class RetainedOptimizer:
             self._bind(adopt, resume, iteration, payload)
         except LetoError:
             raise
-        except Exception as exc:  # never let an unforeseen failure pass as something else
+        except OSError as exc:  # the machine refused (shared memory gone, no space): the retained state is unusable
+            raise RecoveryError(f"rank {self.store.spec.rank}: could not bind the retained state "
+                                f"({type(exc).__name__}: {exc}). {CHECKPOINT_ADVICE}") from exc
+        except Exception as exc:  # a bug: it must surface, never pass as "resume from the checkpoint"
             what = "adopt the retained state" if adopt else "initialise the store"
-            cls = RecoveryError if adopt else ConfigurationError
-            raise cls(f"rank {self.store.spec.rank}: could not {what} ({type(exc).__name__}: {exc})"
-                      + (f". {CHECKPOINT_ADVICE}" if adopt else "")) from exc
+            raise InternalError(f"rank {self.store.spec.rank}: could not {what} ({type(exc).__name__}: {exc}); "
+                                "this is a bug in leto-lightning") from exc
 
     def _bind(self, adopt: bool, resume: bool, iteration: int, payload: object) -> None:
         store, lay = self.store, self.layout
