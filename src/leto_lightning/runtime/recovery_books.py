@@ -9,6 +9,14 @@ logged.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+
+class Resumption(StrEnum):
+    """What the recovered job resumed with (the events' ``promoted`` field)."""
+
+    SHADOW = "shadow"  # the shadow set was promoted
+    COLD = "cold"  # new trainers started and attached to the retained state
 
 
 @dataclass
@@ -32,7 +40,7 @@ class RecoveryBooks:
     resume_iteration: int | None
     failed_iteration: int | None
     recomputes: bool  # the failed iteration is redone (it failed before its update committed)
-    promoted: str  # "shadow" or "cold"
+    promoted: Resumption
     shadow_level: int  # what the job recovered from (0: a cold start)
     t_resumed: float  # when the last rank resumed
     repair: list[str] = field(default_factory=list)  # each store's repair summary

@@ -40,7 +40,7 @@ from .events import EventLog
 from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
 from .messages import ResumeInfo, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
-from .recovery_books import RecoveryBooks, RecoveryTiming
+from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
 from .spec import LaunchSpec
 from .trainers import Trainers, stopped
@@ -162,18 +162,19 @@ class Recovery:
         timing.attach_repair = t2 - t1
         self._advance(Phase.PROMOTING)
         promoted = self._promote_or_cold_start()
-        level = self.trainers.shadow_level if promoted == "shadow" else 0  # what the job recovered from (0: cold)
+        # what the job recovered from (0: a cold start)
+        level = self.trainers.shadow_level if promoted == Resumption.SHADOW else 0
         self._advance(Phase.RESUMING)
-        outcome = self._wait_resumed(timing, t2)
-        if isinstance(outcome, Failure):
-            return outcome
+        last = self._wait_resumed(timing, t2)
+        if isinstance(last, Failure):
+            return last
         lost = failure.iteration is not None and failure.phase == "compute"
         resume_it = repaired.resume_iteration
         self._books = RecoveryBooks(
             timing=timing, t_fail=t_fail, resume_iteration=resume_it, failed_iteration=failure.iteration,
             recomputes=bool(lost and resume_it is not None and failure.iteration is not None
                             and resume_it <= failure.iteration),
-            promoted=promoted, shadow_level=level, t_resumed=max(i.t for i in outcome.values()),
+            promoted=promoted, shadow_level=level, t_resumed=last.t,
             repair=[r.summary() for r in repaired.reports.values()])
         self._advance(Phase.CONFIRMING)
         if not self.config.defer_shadow_restart:
@@ -215,7 +216,7 @@ class Recovery:
                     "protected (a trainer died during set-up)")
         return "no retained state yet (the failure came before it was created)"
 
-    def _promote_or_cold_start(self) -> str:
+    def _promote_or_cold_start(self) -> Resumption:
         t = self.trainers
         ready = all(self.lockstep.sync("shadows_ready", t.shadows_promotable()))  # promote only if every node can
         t.reset_heartbeats()
@@ -224,13 +225,15 @@ class Recovery:
         if ready:
             t.promote_shadows()
             self.events.emit("shadows_promoted", gen, shadow_set=t.shadow_set)
-            return "shadow"
+            return Resumption.SHADOW
         t.stop_shadows()
         t.start_actives(resume=ResumeMode.RETAINED)
         self.events.emit("cold_start", gen, reason="no ready shadow set: new trainers attach to retained state")
-        return "cold"
+        return Resumption.COLD
 
-    def _wait_resumed(self, timing: RecoveryTiming, t_repaired: float) -> Failure | dict[int, ResumeInfo]:
+    def _wait_resumed(self, timing: RecoveryTiming, t_repaired: float) -> Failure | ResumeInfo:
+        """Until every active trainer resumed: the last one's ``ResumeInfo`` (the rank the job
+        waited for), or the failure that came first (a resume past the start-up timeout: a hang)."""
         deadline = time.time() + self.config.startup_timeout
         actives = self.trainers.actives
         pending = set(actives)
@@ -253,7 +256,7 @@ class Recovery:
         last = max(infos.values(), key=lambda i: i.t)  # the rank the job waited for
         timing.init, timing.resume = last.init_s, last.resume_s
         timing.start = max(0.0, last.t - t_repaired - last.init_s - last.resume_s)
-        return infos
+        return last
 
     # -- the books of a recovery ---------------------------------------------------------------
     def track_first_iteration(self) -> None:
@@ -274,7 +277,7 @@ class Recovery:
         self.events.emit("recovery_finished", gen, breakdown=breakdown,
                          first_iteration_s=round(first, 4), total_s=round(total, 4),
                          resume_iteration=rec.resume_iteration, failed_iteration=rec.failed_iteration,
-                         promoted=rec.promoted, repair=rec.repair, shadow_level=rec.shadow_level)
+                         promoted=rec.promoted.value, repair=rec.repair, shadow_level=rec.shadow_level)
         self._books = None
         self._advance(Phase.IDLE)
         if self.config.defer_shadow_restart:
@@ -289,7 +292,7 @@ class Recovery:
         if rec is not None:
             self.events.emit("recovery_finished", self.job.generation, interrupted=True, first_iteration_s=None,
                              breakdown=rec.timing.rounded(), resume_iteration=rec.resume_iteration,
-                             failed_iteration=rec.failed_iteration, promoted=rec.promoted)
+                             failed_iteration=rec.failed_iteration, promoted=rec.promoted.value)
         self._books = None
 
     # -- the slow path -------------------------------------------------------------------------

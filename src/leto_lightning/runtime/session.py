@@ -103,14 +103,14 @@ class Session:
         self.rank = env.rank
         self.world_size = env.world_size
         self.promoted_at: float | None = None
-        self.pg_name = f"s{env.shadow_set}" if env.role is Role.SHADOW else f"g{env.generation}"
+        self.pg_name = f"s{env.shadow_set}" if env.role == Role.SHADOW else f"g{env.generation}"
         self._iteration = -1
         self._install_exception_reporter()
         FaultInjector(env.faults, _SessionFaults(self)).install()
 
     @property
     def is_shadow(self) -> bool:
-        return self.env.role is Role.SHADOW and self.promoted_at is None
+        return self.env.role == Role.SHADOW and self.promoted_at is None
 
     # -- shadow waiting ---------------------------------------------------------------
     def signal_ready(self) -> None:
@@ -151,7 +151,7 @@ class Session:
         t0 = time.time()
         if self.is_shadow and self.env.level < 3:
             self.wait_for_promotion()
-        if self.env.role is Role.ACTIVE and self.env.resume is not ResumeMode.RETAINED:
+        if self.env.role == Role.ACTIVE and self.env.resume != ResumeMode.RETAINED:
             ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
             return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
         self._wait_for_store()
@@ -231,7 +231,7 @@ class Session:
 
     @property
     def resume_from_checkpoint(self) -> bool:
-        return self.env.resume is ResumeMode.CHECKPOINT
+        return self.env.resume == ResumeMode.CHECKPOINT
 
     def checkpoint_path(self) -> str:
         return os.path.join(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")
