@@ -10,7 +10,6 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +17,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from leto_lightning.faults.points import set_hook
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
 
 WORLD = 2
+STEPS = 4
 ACCUMULATE = 2
 MAX_NORM = 0.05  # small enough that every step clips
 CONFIG = RetainedConfig(page_bytes=64, data_pages=2, tier1_parity=1, tier2_parity=1, record_bytes=4096)
@@ -35,6 +36,23 @@ class Job:
     retained: bool = False
     job_id: str = ""
     attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
+    kill_rank: int = -1  # this rank SIGKILLs itself at the kill_at-th occurrence of point kill_point
+    kill_point: str = ""
+    kill_at: int = 0
+
+
+class SelfKill:
+    """A fault hook: SIGKILL this process (a real signal, nothing cleans up) at the ``n``-th
+    occurrence of point ``name``."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n, self.seen = name, n, 0
+
+    def __call__(self, name: str, context: dict) -> None:
+        if name == self.name:
+            self.seen += 1
+            if self.seen == self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build(job: Job):
@@ -68,6 +86,8 @@ def batches(rank: int, step: int) -> list[torch.Tensor]:
 
 def train(job: Job, rank: int) -> None:
     torch.set_num_threads(1)
+    if rank == job.kill_rank:
+        set_hook(SelfKill(job.kill_point, job.kill_at))
     dist.init_process_group("gloo", store=dist.FileStore(job.rendezvous, WORLD), rank=rank, world_size=WORLD)
     try:
         model, optimizer, schedule, bound, start = build(job)
@@ -106,6 +126,7 @@ def final_state(model, optimizer, bound: RetainedFSDP2 | None) -> dict:
     out["padding_zero"] = True
     out["iteration"] = bound.iteration
     out["versions"] = bound.store.versions().tolist()
+    out["n_chunks"] = bound.store.layout.n_chunks
     for p, alias in zip(params, (a for g in optimizer.param_groups for a in g["params"])):
         rows = p.to_local().shape[0]
         st = {}
@@ -119,8 +140,9 @@ def final_state(model, optimizer, bound: RetainedFSDP2 | None) -> dict:
     return out
 
 
-def run_ranks(job: Job, timeout: float = 90.0, kill: Callable[[int], bool] | None = None) -> dict[int, int]:
-    """Fork one child per rank running ``train``; reap every one by pid. Returns rank -> exit code."""
+def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
+    """Fork one child per rank running ``train``; reap every one by pid. Returns rank -> exit code.
+    When a rank dies by a signal, the others are SIGKILLed (they would wait for it in a collective)."""
     pids = {}
     for rank in range(WORLD):
         pid = os.fork()
@@ -146,6 +168,10 @@ def reap(pids: dict[int, int], timeout: float) -> dict[int, int]:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
                         codes[rank] = os.waitstatus_to_exitcode(status)
+                        if codes[rank] < 0:
+                            break
+            if any(code < 0 for code in codes.values()):
+                break
             time.sleep(0.02)
     finally:
         for rank, pid in pids.items():

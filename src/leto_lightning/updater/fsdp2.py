@@ -244,7 +244,8 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
                  barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
                  ) -> RetainedFSDP2:
     """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
-    local shards, their grads and optimizer state become its views and take its values."""
+    local shards, their grads and optimizer state become its views and take its values, and
+    training continues after the last committed iteration (``RetainedFSDP2.iteration``)."""
     hparams = hyperparameters(optimizer)
     shards, sharded = _bindable(model, optimizer)
     store = RetainedStore.attach(job_id, rank)
@@ -256,7 +257,11 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
                                  f"retained store of job {job_id!r} ({store.layout.describe()})")
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
     ro.bind(adopt=True)
-    return RetainedFSDP2(ro, sharded)
+    bound = RetainedFSDP2(ro, sharded)
+    # The retained gradients are those of the last committed iteration (a rank killed mid-update
+    # kept them for its roll-forward): the next iteration accumulates from zero.
+    bound.zero_grad()
+    return bound
 
 
 def _encode_node_parity(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
