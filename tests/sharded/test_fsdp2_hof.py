@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 
+from leto_lightning.retained.layout import GRAD
 from leto_lightning.retained.shm import new_job_id, unlink_segments
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child
@@ -23,10 +24,18 @@ from .test_fsdp2_identity import assert_same_state
 CHUNKS = 3  # per rank and iteration (the layout of the job's shards)
 
 
-def _recover(job_id: str) -> list[tuple[int, str, int, list[int]]]:
+def _recover(job_id: str, wipe_rank: int = -1) -> list[tuple[int, str, int, list[int]]]:
+    """``recover_node`` over the node's stores (after overwriting all of ``wipe_rank``'s data
+    pages: its shard's params, grads and optimizer state)."""
     stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
     try:
+        if wipe_rank >= 0:
+            stores[wipe_rank].pages.fill_(0x5A)
         reports = recover_node(stores)
+        if wipe_rank >= 0:  # which tier rebuilt which page
+            return [(r.rank, str(r.status_found), r.committed_iteration,
+                     [sorted(getattr(r.repair, tier, {}).get(r.rank, [])) for tier in ("tier1", "tier2")])
+                    for r in reports.values()]
         return [(r.rank, str(r.status_found), r.committed_iteration, r.rolled_forward) for r in reports.values()]
     finally:
         for store in stores.values():
@@ -63,3 +72,46 @@ def test_rank_killed_mid_update_rolls_forward_bit_identical(tmp_path, plain_fsdp
         assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"])), f"rank {rank}: losses"
         assert continued[rank]["in_store"] and continued[rank]["padding_zero"]
         assert set(continued[rank]["versions"]) == {STEPS}
+
+
+def test_rank_shard_data_overwritten_rebuilt_from_tier2_bit_identical(tmp_path, plain_fsdp2):
+    """Rank 1 killed as iteration 2's update begins, then every data page of its store (its
+    whole shard: params, grads, AdamW state) overwritten: beyond tier 1 (each tier-1 group loses
+    all its pages), so tier 2 rebuilds the shard from rank 0's pages and the node's parity;
+    nothing is replicated under FSDP2, so no other copy exists."""
+    job_id = new_job_id()
+    iteration = 2
+    try:
+        crashed = tmp_path / "crashed"
+        crashed.mkdir()
+        codes = run_ranks(Job(rendezvous=str(tmp_path / "crashed.rdzv"), out_dir=str(crashed), steps=STEPS,
+                              retained=True, job_id=job_id, kill_rank=1, kill_point="prepare.begin",
+                              kill_at=iteration + 1))
+        assert codes[1] == -signal.SIGKILL, f"rank 1 was not killed: exit codes {codes}"
+
+        recovery = run_in_child(lambda: _recover(job_id, wipe_rank=1), timeout=60)
+        assert recovery.exit_code == 0, recovery
+        reports = {rank: (committed, tiers) for rank, _, committed, tiers in recovery.value}
+        (committed, (tier1, tier2)), pages = reports[1], _non_grad_pages(job_id)
+        assert committed == iteration - 1 and reports[0][0] == iteration - 1, reports
+        # every page of the shard rebuilt; most by tier 2 (a tier-1 group that lost all its pages
+        # is out of tier 1's reach until tier 2 rebuilt some of them)
+        assert sorted(tier1 + tier2) == pages, f"rank 1: tier 1 rebuilt {tier1}, tier 2 {tier2}, pages {pages}"
+        assert len(tier2) > len(pages) // 2, f"rank 1: tier 2 rebuilt only {tier2} of {pages}"
+
+        continued = run_job(tmp_path, "continued", retained=True, job_id=job_id, attach=True)
+    finally:
+        unlink_segments(job_id)
+    assert_same_state(plain_fsdp2, continued, "rank 1's shard rebuilt from tier 2")
+    for rank in range(WORLD):
+        tail = plain_fsdp2[rank]["losses"][iteration * ACCUMULATE:]
+        assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"
+
+
+def _non_grad_pages(job_id: str) -> list[int]:
+    """The pages of rank 1's shard that tier 2 stripes (all but the transient gradients)."""
+    store = RetainedStore.attach(job_id, 1)
+    try:
+        return [p for p, kind in enumerate(store.layout.page_kind) if kind != GRAD]
+    finally:
+        store.close()
