@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from leto_lightning.faults.points import set_hook
 from leto_lightning.retained.config import RetainedConfig
@@ -36,6 +36,7 @@ class Job:
     retained: bool = False
     job_id: str = ""
     attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
+    bf16: bool = False  # MixedPrecisionPolicy(param_dtype=bfloat16): compute in bf16, fp32 master shards
     kill_rank: int = -1  # this rank SIGKILLs itself at the kill_at-th occurrence of point kill_point
     kill_point: str = ""
     kill_at: int = 0
@@ -60,9 +61,10 @@ def build(job: Job):
     mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if job.bf16 else MixedPrecisionPolicy()
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     bound: RetainedFSDP2 | None = None
     if job.retained:

@@ -44,3 +44,20 @@ def test_retained_fsdp2_bit_identical_to_plain_fsdp2(tmp_path, plain_fsdp2):
     # uneven: rank 1 holds fewer rows of the 5-row and 3-row layers than rank 0
     assert plain_fsdp2[0]["params"][0].shape[0] == 3 and plain_fsdp2[1]["params"][0].shape[0] == 2
     assert retained[0]["n_chunks"] > 1 and len(retained[0]["params"]) == 4
+
+
+def test_mixed_precision_master_shards_stay_fp32_bit_identical(tmp_path):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16)``: forward and backward in bf16, the retained
+    master shards and AdamW state fp32, bit-identical to plain FSDP2 with the same policy."""
+    plain = run_job(tmp_path, "plain_bf16", bf16=True)
+    job_id = new_job_id()
+    try:
+        retained = run_job(tmp_path, "retained_bf16", retained=True, job_id=job_id, bf16=True)
+    finally:
+        unlink_segments(job_id)
+    assert_same_state(plain, retained, "bf16 compute")
+    for rank, (a, b) in enumerate(zip(plain, retained)):
+        assert b["in_store"] and b["padding_zero"]
+        assert all(p.dtype == torch.float32 for p in b["params"]), f"rank {rank}: master shards not fp32"
+        assert all(x.dtype == torch.bfloat16 for x in a["losses"]), "the policy did not compute in bf16"
+        assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"], strict=True)), f"rank {rank}: losses"
