@@ -53,6 +53,51 @@ def test_private_fsdp2_attributes_present_and_a_moved_one_is_named():
     assert "FSDPParam._sharded_param_data is missing" in info["moved"], info["moved"]
 
 
+def _refusals() -> list[str]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leto_lightning.errors import LetoError
+    from leto_lightning.retained.config import RetainedConfig
+    from leto_lightning.updater.fsdp2 import create_fsdp2
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    messages = []
+    try:
+        def attempt(optimizer_of, shard_head: bool = True, step_first: bool = False) -> None:
+            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+            fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+            if shard_head:
+                fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            optimizer = optimizer_of(model.parameters())
+            if step_first:
+                model(torch.ones(1, 3)).sum().backward()
+                optimizer.step()
+            try:
+                create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64), job_id="never", rank=0)
+                messages.append("accepted")
+            except LetoError as exc:  # refused before any store exists
+                messages.append(f"{type(exc).__name__}: {exc}")
+
+        attempt(torch.optim.Adagrad)
+        attempt(torch.optim.AdamW, step_first=True)
+        attempt(torch.optim.AdamW, shard_head=False)
+    finally:
+        dist.destroy_process_group()
+    return messages
+
+
+def test_unsupported_inputs_refused_with_the_fix():
+    result = run_in_child(_refusals, timeout=60)
+    assert result.exit_code == 0, result
+    adagrad, stepped, unsharded = result.value
+    assert adagrad.startswith("ConfigurationError: Adagrad:") and "SGD, Adam and AdamW" in adagrad
+    assert stepped.startswith("UsageError:") and "before the optimizer's first step" in stepped
+    assert unsharded.startswith("ConfigurationError: param 1.weight") and "not sharded by fully_shard" in unsharded
+
+
 @pytest.mark.parametrize("version", ["2.12.1", "2.14.0+cpu", "3.0.0"])
 def test_untested_torch_refused_naming_the_range(version):
     with pytest.raises(FSDP2InternalsError, match=r"torch >=2\.13,<2\.14"):

@@ -197,6 +197,7 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     by_param, names = fsdp_params(model), {p: n for n, p in model.named_parameters()}
     shards: list[list[LocalShard]] = []
     sharded: list[tuple[torch.nn.Parameter, Any]] = []
+    aliased: list[list[torch.nn.Parameter]] = []
     for group in optimizer.param_groups:
         members, aliases = [], []
         for p in group["params"]:
@@ -209,6 +210,8 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             flat = private(by_param[p], "_sharded_param_data")
             aliases.append(torch.nn.Parameter(flat.view(shard.padded_shape), requires_grad=p.requires_grad))
         shards.append(members)
+        aliased.append(aliases)
+    for group, aliases in zip(optimizer.param_groups, aliased):  # only once every param is known good
         group["params"] = aliases
     return shards, sharded
 
