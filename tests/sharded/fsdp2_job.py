@@ -37,9 +37,7 @@ class Job:
     job_id: str = ""
     attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
     bf16: bool = False  # MixedPrecisionPolicy(param_dtype=bfloat16): compute in bf16, fp32 master shards
-    kill_rank: int = -1  # this rank SIGKILLs itself at the kill_at-th occurrence of point kill_point
-    kill_point: str = ""
-    kill_at: int = 0
+    kills: tuple[tuple[int, str, int], ...] = ()  # (rank, point, n): rank SIGKILLs itself at point's n-th occurrence
 
 
 class SelfKill:
@@ -88,8 +86,9 @@ def batches(rank: int, step: int) -> list[torch.Tensor]:
 
 def train(job: Job, rank: int) -> None:
     torch.set_num_threads(1)
-    if rank == job.kill_rank:
-        set_hook(SelfKill(job.kill_point, job.kill_at))
+    for kill_rank, point, n in job.kills:
+        if rank == kill_rank:
+            set_hook(SelfKill(point, n))
     dist.init_process_group("gloo", store=dist.FileStore(job.rendezvous, WORLD), rank=rank, world_size=WORLD)
     try:
         model, optimizer, schedule, bound, start = build(job)
