@@ -84,6 +84,14 @@ def _refusals() -> list[str]:
         attempt(torch.optim.Adagrad)
         attempt(torch.optim.AdamW, step_first=True)
         attempt(torch.optim.AdamW, shard_head=False)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        fsdp1 = FullyShardedDataParallel(torch.nn.Linear(3, 4), device_id=torch.device("cpu"))
+        try:
+            create_fsdp2(fsdp1, torch.optim.AdamW(fsdp1.parameters()), RetainedConfig(page_bytes=64), job_id="never",
+                         rank=0)
+            messages.append("accepted")
+        except LetoError as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()
     return messages
@@ -92,7 +100,8 @@ def _refusals() -> list[str]:
 def test_unsupported_inputs_refused_with_the_fix():
     result = run_in_child(_refusals, timeout=60)
     assert result.exit_code == 0, result
-    adagrad, stepped, unsharded = result.value
+    adagrad, stepped, unsharded, fsdp1 = result.value
+    assert fsdp1.startswith("ConfigurationError:") and "FSDP1" in fsdp1 and "fully_shard" in fsdp1, fsdp1
     assert adagrad.startswith("ConfigurationError: Adagrad:") and "SGD, Adam and AdamW" in adagrad
     assert stepped.startswith("UsageError:") and "before the optimizer's first step" in stepped
     assert unsharded.startswith("ConfigurationError: param 1.weight") and "not sharded by fully_shard" in unsharded

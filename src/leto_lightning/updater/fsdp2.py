@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigurationError, UsageError
@@ -194,6 +194,10 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if any(optimizer.state.values()):
         raise UsageError("bind FSDP2 shards to retained memory before the optimizer's first step (its state must "
                          "still be empty)")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigurationError("the model is wrapped in FullyShardedDataParallel (FSDP1, e.g. Lightning's "
+                                 "strategy='fsdp'): retained sharded state needs FSDP2; shard with "
+                                 "torch.distributed.fsdp.fully_shard instead")
     by_param, names = fsdp_params(model), {p: n for n, p in model.named_parameters()}
     shards: list[list[LocalShard]] = []
     sharded: list[tuple[torch.nn.Parameter, Any]] = []
