@@ -6,8 +6,9 @@ Job A (the exact mode, wandb offline and TensorBoard): rank 0's trainer is SIGKI
 evaluation that follows step 3 (its second batch, under ``torch.no_grad()``); its shadow is
 promoted and redoes the step with its evaluation. After the checkpoint of step 4 the whole job
 is stopped (SIGTERM to ``accelerate launch``: a preemption). Job B (a new job, the default
-mode) calls ``load_state`` on that checkpoint after ``prepare()`` and ``leto_resume()``, and
-finishes. Final weights, optimizer state, LR and every logged loss and evaluation loss are
+mode) calls ``load_state`` on that checkpoint after ``prepare()`` and ``leto_resume()``; rank
+1's trainer is SIGKILLed after B's first step (a recovery from the store ``load_state``
+re-initialised) and the job finishes. Final weights, optimizer state, LR and every logged loss and evaluation loss are
 bit-identical to plain ``accelerate.Accelerator`` running the same loop without interruption;
 job A's wandb runs are one group and hold the recovery metrics, as does its one TensorBoard
 run directory.
@@ -108,10 +109,16 @@ def test_checkpoint_restart_and_a_kill_during_evaluation(tmp_path: Path) -> None
     assert all(len([e for e in log if e["event"] == "recovery_finished"]) == 1 for log in agent_events(run_a).values())
     assert_nothing_left(run_a)
 
-    job_b = run(_cmd(free_port(), "--load-state", str(step_4), "--out", str(out)), tmp_path)
+    # job B: a kill right after its first step, on the store load_state re-initialised (no
+    # evaluation follows that step: the default mode would not redo one)
+    after_load = {"id": "after-load", "rank": 1, "point": "accelerate.after_step", "iteration": 4,
+                  "wait_shadows": True}
+    job_b = run(_cmd(free_port(), "--load-state", str(step_4), "--out", str(out)), tmp_path,
+                env=dict(QUIET, LETO_FAULTS=json.dumps([after_load])))
     assert job_b.returncode == 0, job_b.stdout[-4000:]
     (run_b,) = [d for d in run_dirs.glob("accelerate-*") if d != run_a]
-    assert not [e for e in all_events(run_b) if e["event"] == "failure_detected"]
+    finished = [e for log in agent_events(run_b).values() for e in log if e["event"] == "recovery_finished"]
+    assert len(finished) == 2 and all(e["promoted"] == "shadow" for e in finished), finished
     assert_nothing_left(run_b)
 
     for rank, (mine, ref) in enumerate(zip(finals(out), finals(reference))):

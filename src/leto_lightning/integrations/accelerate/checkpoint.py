@@ -179,6 +179,8 @@ def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callab
          strict: bool = True) -> Any:
     """``load_state`` once bound (module doc); ``load_files``: Accelerate's own ``load_state``."""
     ro = acc.retained
+    if acc._leto_from_checkpoint:
+        raise UsageError("LetoAccelerator.load_state() twice: this process loaded a checkpoint already")
     if acc.leto_state.continuing:
         log.info("LetoAccelerator.load_state(%s): this process continues from retained memory, which is newer "
                  "than any checkpoint: nothing loaded", input_dir)
