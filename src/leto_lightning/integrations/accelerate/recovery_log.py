@@ -3,7 +3,7 @@
 Under a Leto agent, the main process reads the agent's ``events.jsonl`` (the Lightning
 integration's reader, ``integrations/lightning/recovery_metrics.py``) before each training
 batch and logs, per recovery the agent finished, the same fields as the Lightning integration
-(docs/events.md) with ``accelerator.log(..., step=<optimizer steps committed>)``:
+(docs/lightning.md, "Recovery metrics"), with ``accelerator.log(..., step=<committed steps>)``:
 ``leto/recovery/{detect,stop,attach_repair,init,resume,recompute}_s``, ``total_s``,
 ``first_iteration_s``, ``generation``, ``shadow_level``, ``failed_iteration``,
 ``resume_iteration``, ``resume_step``, ``kept_iterations`` (steps a restart from the newest
