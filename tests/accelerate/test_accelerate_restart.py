@@ -78,11 +78,27 @@ def _scalars(directory: Path) -> dict[str, list[float]]:
 
 
 def test_checkpoint_restart_and_a_kill_during_evaluation(tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    done = run(_cmd(free_port(), "--plain", "--out", str(reference)), reference)
-    assert done.returncode == 0, done.stdout[-4000:]
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    reference.mkdir()
+    with open(tmp_path / "reference.log", "w") as f:  # beside job A, which mostly waits: CI time
+        plain = subprocess.Popen(_cmd(free_port(), "--plain", "--out", str(reference)), cwd=reference, env=QUIET,
+                                 stdout=f, stderr=subprocess.STDOUT)
+    try:
+        run_a = _job_a(tmp_path, out)
+        _job_b(tmp_path, out, run_a)
+        assert plain.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+    finally:
+        stop(plain)
+    for rank, (mine, ref) in enumerate(zip(finals(out), finals(reference))):
+        assert same_state(mine, ref) == [], f"rank {rank}"
+    assert _rows(out) == _rows(reference)
+    assert len(_rows(reference)) == 8 * 2 + 2
+    _check_trackers(tmp_path, out, run_a)
 
-    out, run_dirs = tmp_path / "out", tmp_path / "leto-runs"
+
+def _job_a(tmp_path: Path, out: Path) -> Path:
+    """Exact mode, wandb and TensorBoard; a kill inside the evaluation after step 3; SIGTERM
+    once step 4's checkpoint is written. Returns its run directory."""
     fault = {"id": "eval", "rank": 0, "point": "compute.begin", "iteration": 3, "occurrence": 2,
              "wait_shadows": True}  # iteration 3's first two batches are the evaluation's
     env = dict(QUIET, LETO_FAULTS=json.dumps([fault]))
@@ -92,8 +108,8 @@ def test_checkpoint_restart_and_a_kill_during_evaluation(tmp_path: Path) -> None
                                       "--out", str(out)), cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
     step_4 = out / "checkpoints" / "step_4"
     try:
-        wait_for(lambda: len(list(run_dirs.glob("accelerate-*"))) == 1, 120, "job A's run dir")
-        (run_a,) = run_dirs.glob("accelerate-*")
+        wait_for(lambda: len(list((tmp_path / "leto-runs").glob("accelerate-*"))) == 1, 120, "job A's run dir")
+        (run_a,) = (tmp_path / "leto-runs").glob("accelerate-*")
         killer = Killer(run_a, out, seed=0)
         wait_for(lambda: killer.recoveries() >= 1, 300, "the recovery from the kill during evaluation")
         wait_for(lambda: all((step_4 / f"leto_state_{r}.pt").exists() for r in range(2)), 300, "step 4's checkpoint")
@@ -108,26 +124,26 @@ def test_checkpoint_restart_and_a_kill_during_evaluation(tmp_path: Path) -> None
     assert [e["signal"] for e in failed if e["signal"] == signal.SIGKILL] == [signal.SIGKILL], failed
     assert all(len([e for e in log if e["event"] == "recovery_finished"]) == 1 for log in agent_events(run_a).values())
     assert_nothing_left(run_a)
+    return run_a
 
-    # job B: a kill right after its first step, on the store load_state re-initialised (no
-    # evaluation follows that step: the default mode would not redo one)
+
+def _job_b(tmp_path: Path, out: Path, run_a: Path) -> None:
+    """A new job from step 4's checkpoint; a kill right after its first step, on the store
+    load_state re-initialised (no evaluation follows that step: the default mode redoes none)."""
     after_load = {"id": "after-load", "rank": 1, "point": "accelerate.after_step", "iteration": 4,
                   "wait_shadows": True}
-    job_b = run(_cmd(free_port(), "--load-state", str(step_4), "--out", str(out)), tmp_path,
+    job_b = run(_cmd(free_port(), "--load-state", str(out / "checkpoints" / "step_4"), "--out", str(out)), tmp_path,
                 env=dict(QUIET, LETO_FAULTS=json.dumps([after_load])))
     assert job_b.returncode == 0, job_b.stdout[-4000:]
-    (run_b,) = [d for d in run_dirs.glob("accelerate-*") if d != run_a]
+    (run_b,) = [d for d in (tmp_path / "leto-runs").glob("accelerate-*") if d != run_a]
     finished = [e for log in agent_events(run_b).values() for e in log if e["event"] == "recovery_finished"]
     assert len(finished) == 2 and all(e["promoted"] == "shadow" for e in finished), finished
     assert_nothing_left(run_b)
 
-    for rank, (mine, ref) in enumerate(zip(finals(out), finals(reference))):
-        assert same_state(mine, ref) == [], f"rank {rank}"
-    assert _rows(out) == _rows(reference)
-    assert len(_rows(reference)) == 8 * 2 + 2
 
-    # job A's recovery, in its trackers: wandb (one group over the original and the promoted
-    # main process) and TensorBoard (one run directory, one event file per main process)
+def _check_trackers(tmp_path: Path, out: Path, run_a: Path) -> None:
+    """Job A's recovery in its trackers: wandb (one group over the original and the promoted
+    main process) and TensorBoard (one run directory, one event file per main process)."""
     history = wandb_history(tmp_path)
     assert len(history) == 2 and wandb_groups(tmp_path) == {f"leto-{run_a.name}"}, (history.keys(),)
     logged = _recovery_rows(tmp_path)
