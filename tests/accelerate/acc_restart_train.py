@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from leto_lightning.examples import accelerate_train as example
+from leto_lightning.runtime.contract import RUN_DIR
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> None:
     mine, args = parse(argv)
     args.seed, args.weight_decay = 0, 0.1
     torch.set_num_threads(1)
-    out = args.out
+    out = args.out or os.environ.get(RUN_DIR) or os.path.join("runs", "accelerate_restart")
     os.makedirs(out, exist_ok=True)
     cfg, loader = example.synthetic(args)
     tokens = torch.randint(0, cfg.vocab_size, (8, args.seq_len + 1), generator=torch.Generator().manual_seed(2))
