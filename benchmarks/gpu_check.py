@@ -48,7 +48,7 @@ def main() -> int:
         why = "torch has no CUDA support" if torch.version.cuda is None else "torch sees no CUDA device"
         print(f"no CUDA device: skipped ({why}; torch {torch.__version__})")
         return 0
-    from leto_lightning.retained.backends.cuda_ipc import CudaStateManager, default_address
+    from leto_lightning.retained.backends.cuda_ipc import MANAGER_ENV, CudaStateManager, default_address
 
     rows: list[tuple[str, float | str, str]] = []
     tests_ok = True
@@ -56,7 +56,7 @@ def main() -> int:
         tests_ok, summary, seconds = run_tests(args.test_timeout)
         rows.append(("tests: pytest -m cuda", summary, f"{seconds:.0f} s"))
     manager = CudaStateManager.start(default_address(f"gpucheck-{os.getpid()}"), 0)
-    os.environ["LETO_CUDA_MANAGER"] = manager.address
+    os.environ[MANAGER_ENV] = manager.address
     try:
         torch.cuda.set_device(0)
         rows += measure_attach(manager)

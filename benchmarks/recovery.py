@@ -53,6 +53,7 @@ from baselines.restart import Fault, RestartJob
 
 from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.retained.shm import list_segments
+from leto_lightning.runtime.contract import JOB_PREFIX
 from leto_lightning.runtime.events import iter_events, read_events
 from leto_lightning.runtime.procs import is_alive
 
@@ -208,7 +209,7 @@ def main() -> None:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
 
     prefix = "rb" + secrets.token_hex(4) + "x"  # every segment this run creates starts with leto-<prefix>
-    os.environ["LETO_JOB_PREFIX"] = prefix
+    os.environ[JOB_PREFIX] = prefix
     root = tempfile.mkdtemp(prefix="leto-recovery-bench-")
     position = args.fail_at % k
     t_start = time.time()

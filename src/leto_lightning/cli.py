@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from .console import error
 from .errors import LetoError
+from .runtime.contract import DEBUG
 
 EXPECTED = (LetoError, ValueError, OSError)  # what the top level prints as one line
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    debug = args.debug or os.environ.get("LETO_DEBUG", "") not in ("", "0")
+    debug = args.debug or os.environ.get(DEBUG, "") not in ("", "0")
     try:
         return int(args.func(args) or 0)
     except EXPECTED as exc:  # bad settings or environment: say which, without a traceback

@@ -30,6 +30,7 @@ from accelerate.tracking import GeneralTracker
 
 from leto_lightning.models.config import ModelConfig
 from leto_lightning.models.moe_transformer import build_model
+from leto_lightning.runtime.contract import RUN_DIR
 
 
 class JsonlTracker(GeneralTracker):
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.seed, args.weight_decay = 0, 0.1
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
-    out = args.out or os.environ.get("LETO_RUN_DIR") or os.path.join("runs", "accelerate")
+    out = args.out or os.environ.get(RUN_DIR) or os.path.join("runs", "accelerate")
     os.makedirs(out, exist_ok=True)
     cfg, loader = from_recipe(args) if args.recipe else synthetic(args)
     accelerator = build_accelerator(args, out)

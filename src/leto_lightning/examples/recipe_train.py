@@ -19,11 +19,12 @@ def main(recipe_file: str) -> None:
     from leto_lightning.models.config import load_recipe
     from leto_lightning.models.data import make_dataloaders
     from leto_lightning.models.lightning_module import MoELanguageModel
+    from leto_lightning.runtime.contract import RUN_DIR, WANDB
     from leto_lightning.runtime.storage import atomic_torch_save
 
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count
     recipe = load_recipe(recipe_file)
-    run_dir = os.environ.get("LETO_RUN_DIR", ".")
+    run_dir = os.environ.get(RUN_DIR, ".")
     pl.seed_everything(recipe.trainer.seed, workers=True)
     model = MoELanguageModel.from_recipe(recipe)
     train, val = make_dataloaders(recipe)
@@ -31,7 +32,7 @@ def main(recipe_file: str) -> None:
     strategy = LetoStrategy(page_bytes=leto.page_bytes, data_pages=leto.data_pages, tier1_parity=leto.tier1_parity,
                             tier2_parity=leto.tier2_parity, shadow_level=leto.shadow_level)
     loggers: list[Logger] = [CSVLogger(run_dir, name="csv", version=0)]
-    if os.environ.get("LETO_WANDB", "1") != "0":
+    if os.environ.get(WANDB, "1") != "0":
         loggers.append(WandbLogger(project=f"leto-{recipe.name}", save_dir=run_dir, offline=True,
                                    name=os.path.basename(os.path.abspath(run_dir))))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=recipe.active.parallelism.dp,
