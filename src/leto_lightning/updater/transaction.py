@@ -163,15 +163,13 @@ class ChunkTransactions:
         apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
         point("chunk.math_done", chunk=chunk)
         table[chunk, 1] = MATH_DONE
-        self._tier1_delta(plan)
+        sums = self._tier1_delta(plan)
         table[chunk, 1] = TIER1_DONE
         point("chunk.tier1_done", chunk=chunk)
         self._tier2_delta(plan)
         table[chunk, 1] = TIER2_DONE
         point("chunk.tier2_done", chunk=chunk)
-        crcs = self._crcs
-        for p, page in zip(plan.pages, plan.page_tensors):
-            crcs[p] = to_i64(checksum(page))
+        self._crcs[plan.pages] = sums if sums is not None else [to_i64(checksum(t)) for t in plan.page_tensors]
         table[chunk, 1] = CHECKSUMMED
         point("chunk.checksummed", chunk=chunk)
         table[chunk, 0] = iteration + 1
@@ -201,14 +199,22 @@ class ChunkTransactions:
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
-    def _tier1_delta(self, plan: ParityDeltas) -> None:
+    def _tier1_delta(self, plan: ParityDeltas) -> list[int] | None:
+        """Fold each page's change into its tier-1 parity; returns the pages' new checksums
+        (None without tier 1). Why here: a page is final once the math is done, and checksumming
+        it right after its delta reads it while it is still in cache (a separate pass later read
+        every page of the chunk from memory again). The caller records them at the same protocol
+        point as before (after the tier-2 delta, before the commit mark)."""
         code = self.codes.tier1
-        if code is None:
-            return
+        if code is None or not plan.tier1:
+            return None
+        sums = []
         for i, (old, new, column, parity) in enumerate(plan.tier1):
             code.apply_delta(column, old, new, parity, self._scratch)
+            sums.append(to_i64(checksum(new)))
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
+        return sums
 
     def _tier2_delta(self, plan: ParityDeltas) -> None:
         code = self.codes.tier2

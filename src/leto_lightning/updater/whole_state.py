@@ -107,12 +107,11 @@ class WholeStateTransactions(ChunkTransactions):
         point("whole.math_done", iteration=iteration)
         store.chunk_table[:, 1] = MATH_DONE
         plan = self._whole_plan()
-        self._tier1_delta(plan)
+        sums = self._tier1_delta(plan)  # the pages' new checksums, taken while in cache
         store.chunk_table[:, 1] = TIER1_DONE
         self._tier2_delta(plan)
         store.chunk_table[:, 1] = TIER2_DONE
-        for p in pages:
-            store.crcs[p] = to_i64(checksum(store.pages[p]))
+        self._crcs[pages] = sums if sums is not None else [to_i64(checksum(store.pages[p])) for p in pages]
         store.chunk_table[:, 1] = CHECKSUMMED
         point("whole.checksummed", iteration=iteration)
         store.chunk_table[:, 0] = iteration + 1
