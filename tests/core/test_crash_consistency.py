@@ -18,7 +18,7 @@ from .crash_cases import MAX_T, run_case, step_points
 
 torch.set_num_threads(1)  # bit-identical needs the same thread count in every process
 
-TOTAL = int(os.environ.get("LETO_CRASH_CASES", 4000 if os.environ.get("LETO_LONG") else 200))
+TOTAL = int(os.environ.get("LETO_CRASH_CASES", 4000 if os.environ.get("LETO_LONG") else 120))
 PER_OPTIMIZER = -(-TOTAL // len(OPTIMIZERS))  # at least TOTAL cases in all
 
 

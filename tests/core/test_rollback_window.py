@@ -20,7 +20,7 @@ from .crash_cases import MAX_T, _recover_and_continue, run_case, step_points
 
 torch.set_num_threads(1)
 
-CASES = int(os.environ.get("LETO_CRASH_CASES", 400 if os.environ.get("LETO_LONG") else 40))
+CASES = int(os.environ.get("LETO_CRASH_CASES", 400 if os.environ.get("LETO_LONG") else 24))
 
 
 @pytest.fixture(scope="module", params=["adamw", "sgd_nesterov"])
