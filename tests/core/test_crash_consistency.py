@@ -1,7 +1,7 @@
 """SIGKILL at random injection points of the update, recover in a fresh process, compare
 with the fault-free run bit for bit (docs/design.md section 2.3; issue: 'Crash consistency, shown').
 
-CI runs 200 seeded cases (reproducible: the seed names the case); ``LETO_LONG=1`` runs
+CI runs 120 seeded cases (reproducible: the seed names the case); ``LETO_LONG=1`` runs
 thousands (``LETO_CRASH_CASES=N`` to choose).
 """
 
