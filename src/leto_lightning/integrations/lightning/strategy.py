@@ -22,7 +22,6 @@ docs/lightning.md):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
@@ -30,18 +29,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from ...errors import UsageError
-from ...faults.points import point
 from ...retained.config import RetainedConfig
-from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
 from ...runtime.link import RuntimeLink
 from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2, layout_for
@@ -49,18 +42,36 @@ from ...updater.transaction import ParityCodes
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
-from .environment import LetoEnvironment, under_leto_launch
+from .fit_hooks import (
+    agreed_new_job_id,
+    check_retained_resume,
+    checkpoint_saved,
+    fault_point,
+    init_session_group,
+    install_loop_state,
+    leto_settings,
+    payload_checkpoint,
+    payload_fn,
+    prepare_barrier,
+    prepare_logs,
+    record_payload,
+    release,
+    resume_can_follow,
+    retained_ckpt_path,
+    retained_step,
+    train_batch_start,
+    train_end,
+    train_start,
+    wrap_train_loader,
+)
 from .fit_state import FitMode, FitState
-from .frozen import FrozenPayload
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
-from .options import RETAINED_CKPT, LetoRuntimeOptions
-from .plateau import restore_monitored
+from .options import RETAINED_CKPT
 from .proxy import proxy_for, real_optimizer
-from .resume import apply_param_groups, build_checkpoint, capture, set_rng_states
+from .resume import apply_param_groups
 from .versions import check_lightning
 
-_RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
 STRATEGY_NAME = "leto"
 log = logging.getLogger(__name__)
 
@@ -81,17 +92,11 @@ class LetoStrategy(DDPStrategy):
                  resume: str | None = None, shadow_level: int | str = 3, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 60.0, keep_retained: bool = False, **kwargs: Any) -> None:
         check_lightning()  # at Trainer(...): an untested Lightning is refused before anything runs
-        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _RETAINED_FIELDS}
-        if retained is not None and fields:
-            raise ValueError(f"pass retained=RetainedConfig(...) or {sorted(fields)}, not both")
-        self.retained_config = retained if retained is not None else RetainedConfig(**fields)
-        self.leto_options = LetoRuntimeOptions(job_id, resume, LetoRuntimeOptions.parse_level(shadow_level),
-                                               heartbeat_interval, heartbeat_timeout)
+        settings = leto_settings(kwargs, retained, job_id, resume, shadow_level, heartbeat_interval,
+                                 heartbeat_timeout)
+        self.retained_config, self.leto_options = settings.retained, settings.options
         reject_ddp_options(kwargs)
-        # Under `leto launch` the agent owns ranks, store and process-group namespace.
-        self.runtime: RuntimeLink | None = RuntimeLink(heartbeat_interval) if under_leto_launch() else None
-        if self.runtime is not None and kwargs.get("cluster_environment") is None:
-            kwargs["cluster_environment"] = LetoEnvironment()
+        self.runtime: RuntimeLink | None = settings.runtime  # under `leto launch`: the session
         super().__init__(**kwargs)
         self.logs = LogKeeper()
         self.loop_state = LetoLoopStateCallback()
@@ -102,11 +107,11 @@ class LetoStrategy(DDPStrategy):
         self.fit_state = FitState()  # the fit mode and the batch phase (fit_state.py)
         self._proxy: torch.optim.Optimizer | None = None
         self._file_checkpoint: dict | None = None
-        self._env_resume_used = False
-        self._resume_payload: Any = None
-        self._resumed_from: dict | None = None  # build_checkpoint's "leto" entry: what on_train_start restores
+        self.env_resume_used = False
+        self.resume_payload: Any = None
+        self.resumed_from: dict | None = None  # build_checkpoint's "leto" entry: what on_train_start restores
         self._optimizers_ready = False
-        self._train_loaders: weakref.WeakSet[ResumableDataLoader] = weakref.WeakSet()
+        self.train_loaders: weakref.WeakSet[ResumableDataLoader] = weakref.WeakSet()
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -114,13 +119,13 @@ class LetoStrategy(DDPStrategy):
         detached copy, as a pickled DDP strategy is: no retained memory, step proxy, loaders or
         link to ``leto launch`` travel with it -- those belong to this process's fit -- and its
         next fit decides its mode anew."""
-        return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, _train_loaders=None,
+        return dict(super().__getstate__(), retained=None, _proxy=None, runtime=None, train_loaders=None,
                     fit_state=self.fit_state.detached())
 
     @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._train_loaders = weakref.WeakSet()
+        self.train_loaders = weakref.WeakSet()
 
     # -- registration ----------------------------------------------------------------------
     @classmethod
@@ -164,35 +169,22 @@ class LetoStrategy(DDPStrategy):
         if self.runtime is not None:
             self.runtime.connect()  # shadows at level 1/2 wait here until promoted
         super().setup_environment()  # accelerator, then setup_distributed
-        module = self._lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # before Lightning creates experiments
-            continues = self.fit_state.mode.continues  # (without leto launch)
-            self.logs.prepare(trainer, self.runtime, self.global_rank, continues)
+        prepare_logs(self)
 
     @override
     def setup_distributed(self) -> None:
         if self.runtime is None:
             super().setup_distributed()
             return
-        # Not Lightning's _init_dist_connection: the agent already listens on MASTER_PORT, and the
-        # group must live under the session's generation (or shadow-set) prefix.
-        reset_seed()
-        self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        if not torch.distributed.is_initialized():
-            timeout = self._timeout if self._timeout is not None else default_pg_timeout
-            self.runtime.init_process_group(self._process_group_backend, timeout.total_seconds())
+        init_session_group(self, self.runtime)
 
     # -- setup -------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_trainer(self, trainer)
-            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-            if self.loop_state in callbacks:
-                callbacks.remove(self.loop_state)
-            callbacks.append(self.loop_state)  # last: sees what the other callbacks did
+            install_loop_state(self, trainer)
         super().setup(trainer)
 
     @override
@@ -217,12 +209,12 @@ class LetoStrategy(DDPStrategy):
                 self._ddp_kwargs.pop("init_sync", None)
             assert self.runtime is not None  # SHADOW: under leto launch
             self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
-            self._resume_payload = ro.resume()
-            self.logs.continue_from(trainer, self._resume_payload)
+            self.resume_payload = ro.resume()
+            self.logs.continue_from(trainer, self.resume_payload)
             return
         if mode is FitMode.FROM_RETAINED:
-            self._resume_payload = ro.resume()
-        self.logs.continue_from(trainer, self._resume_payload)  # a resume or a checkpoint file continues the logs
+            self.resume_payload = ro.resume()
+        self.logs.continue_from(trainer, self.resume_payload)  # a resume or a checkpoint file continues the logs
         super().configure_ddp()  # broadcasts rank 0's parameters into every rank's views
         if mode is not FitMode.FROM_RETAINED:
             # Checksums and parity of a new store describe what the broadcast left, not the
@@ -242,11 +234,8 @@ class LetoStrategy(DDPStrategy):
 
     def _bind_retained(self, trainer: pl.Trainer) -> None:
         optimizer = the_optimizer(self, trainer)
-        self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
-
-        def payload_fn() -> FrozenPayload:  # pickled once: the prepare and commit records write the same payload
-            return FrozenPayload(self.loop_state.payload_at_prepare(trainer))
-
+        self.job_id = self.leto_options.resolved_job_id() or self.job_id or agreed_new_job_id(self)
+        payload = payload_fn(self, trainer)
         module = self.module
         # Manual optimization steps inside training_step: the update stays open (rolled back by
         # recovery) until the batch ends, which needs the whole-state undo copy (docs/lightning.md).
@@ -257,20 +246,20 @@ class LetoStrategy(DDPStrategy):
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
-            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn, rollback_window=manual)
+            ro = RetainedOptimizer(optimizer, store, prepare_barrier(self), payload, rollback_window=manual)
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
         else:
-            iteration, self._resume_payload = self._load_checkpoint_file(trainer, optimizer)
+            iteration, self.resume_payload = self._load_checkpoint_file(trainer, optimizer)
             config = self.retained_config
             config.check_devices(self.num_processes)
             names = {p: n for n, p in module.named_parameters()}
             spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
                              layout_for(optimizer, config, names, whole_state=manual), config)
             store = _create_store(spec)
-            ro = RetainedOptimizer(optimizer, store, self._prepare_barrier(), payload_fn, rollback_window=manual)
+            ro = RetainedOptimizer(optimizer, store, prepare_barrier(self), payload, rollback_window=manual)
             # A checkpoint's weights and optimizer state move into the new store, which starts at
             # its global step with its payload committed (a crash before the next step resumes there).
-            ro.bind(adopt=False, iteration=iteration, payload=self._resume_payload)
+            ro.bind(adopt=False, iteration=iteration, payload=self.resume_payload)
         optimizer.zero_grad = ro.zero_grad  # type: ignore[method-assign]  # in place: the gradients stay retained views
         self.retained = ro
         self._proxy = proxy_for(optimizer, self._retained_step)
@@ -308,21 +297,6 @@ class LetoStrategy(DDPStrategy):
                     peer.close()
         self.barrier("leto-tier2-encoded")
 
-    def _agreed_new_job_id(self) -> str:
-        """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
-        job = new_job_id()
-        if self.world_size > 1 and torch.distributed.is_initialized():
-            job = self.broadcast(job, src=0)
-        return job
-
-    def _prepare_barrier(self) -> Callable[[], None] | None:
-        """No chunk of an iteration commits before every rank prepared it (docs/design.md 2.3)."""
-        if self.runtime is not None:
-            return self.runtime.barrier  # the session's flag all-reduce
-        if self.world_size <= 1:
-            return None
-        return lambda: torch.distributed.barrier()
-
     # -- the step ----------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
@@ -336,49 +310,19 @@ class LetoStrategy(DDPStrategy):
 
     def _retained_step(self, closure: Callable | None) -> Any:
         """The proxy's ``step``: closure (forward, backward, clipping), then the transactions."""
-        ro = self.retained
-        assert ro is not None
-        link = self.runtime
-        if link is not None and closure is not None:
-            inner = closure
-
-            def closure() -> Any:  # forward and backward, then the agent hears "update"
-                out = inner()
-                link.update_start(ro.iteration)
-                return out
-        elif link is not None:  # 16-mixed: the precision plugin ran the closure before the scaler's step
-            link.update_start(ro.iteration)
-        loss = ro.step(closure)
-        ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
-        self.fit_state.step_committed()
-        if link is not None:
-            link.step_done(ro.iteration - 1)
-        return loss
+        assert self.retained is not None
+        return retained_step(self, closure, self.retained.step)
 
     def record_payload(self, payload: Any) -> None:
-        """Replace the resume payload of the last committed iteration (same iteration, newer
-        payload; the record's two slots keep the previous one until this write is complete)."""
-        ro = self.retained
-        assert ro is not None
-        # Manual optimization keeps it to write again (as "before"); there the record also seals
-        # the batch's update (kept from here on).
-        ro.record_committed(FrozenPayload(payload))
+        """Replace the resume payload of the last committed iteration (``fit_hooks.record_payload``)."""
+        record_payload(self, payload)
 
     # -- hooks ---------------------------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        trainer = self.module.trainer
-        resumed, self._resumed_from = self._resumed_from or {}, None
+        resumed, self.resumed_from = self.resumed_from or {}, None
         self._continue_buffer_sync(resumed.get("kind"))
-        restore_monitored(trainer, resumed.get("monitored") or {})
-        if resumed.get("rng") is not None:
-            set_rng_states(resumed["rng"])  # last thing before the first batch: as the crashed run
-        # before "start": a fresh run's payload counts no rows yet
-        self.logs.on_train_start(trainer, self.retained.iteration if self.retained is not None else None)
-        if self.retained is not None and self.retained.iteration == 0:
-            self.record_payload(capture(trainer, "start"))
-        if self.runtime is not None and self.runtime.resume_pending and self.retained is not None:
-            self.runtime.resumed(self.retained.iteration)  # loop, RNG and data position are restored
+        train_start(self, resumed)
 
     def _continue_buffer_sync(self, kind: str | None) -> None:
         """DDP broadcasts rank 0's buffers (BatchNorm statistics) at the first forward of a new
@@ -391,21 +335,11 @@ class LetoStrategy(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.fit_state.batch_started()
-        trainer = self.module.trainer
-        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        for loader in list(self._train_loaders):
-            loader.mark(batch_idx + 1, last)
-        if self.runtime is not None and self.retained is not None:
-            self.logs.log_recoveries(trainer)
-            self.runtime.batch_start(self.retained.iteration)
+        train_batch_start(self, batch_idx)
 
     @override
     def on_train_end(self) -> None:
-        if self.runtime is not None:
-            self.logs.finish(self.module.trainer)
-            if self.runtime.session is not None:
-                self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
+        train_end(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -416,31 +350,16 @@ class LetoStrategy(DDPStrategy):
     def fault_point(self, name: str, phase: str) -> None:
         """A named point between steps (validation, epoch end, after a checkpoint save): a
         heartbeat at most every interval, and where tests inject faults under ``leto launch``."""
-        if self.runtime is not None and self.retained is not None:
-            self.runtime.alive(self.retained.iteration - 1, phase)
-        point(name)
+        fault_point(self, name, phase)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.runtime is not None and self.is_global_zero:
-            self.logs.checkpoint_saved(self.runtime, int(checkpoint.get("global_step", 0)))
-        self.fault_point("lightning.after_checkpoint", "checkpoint")
+        checkpoint_saved(self, checkpoint, self.is_global_zero)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        module = self._lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
-            return dataloader
-        wrapped = ResumableDataLoader(dataloader)
-        if wrapped.unreplayable_order():
-            rank_zero_warn("LetoStrategy: the training DataLoader shuffles with an unseeded RandomSampler; a resume "
-                           "mid-epoch cannot replay its order. Pass DataLoader(generator=...) or keep "
-                           "use_distributed_sampler=True.")
-        self._train_loaders.add(wrapped)
-        return wrapped
+        return wrap_train_loader(self, super().process_dataloader(dataloader))
 
     # -- resume --------------------------------------------------------------------------------
     @override
@@ -448,23 +367,13 @@ class LetoStrategy(DDPStrategy):
         ckpt_file = self._file_checkpoint
         if ckpt_file is not None and str(checkpoint_path) == ckpt_file["leto_file"]:
             self._file_checkpoint = None  # weights and optimizer state are in retained memory already
-            if self._resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
+            if self.resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
                 return ckpt_file
-            return self._payload_checkpoint()
+            return payload_checkpoint(self)
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        if not self.fit_state.mode.from_retained_memory or self.retained is None:
-            raise RuntimeError(f"ckpt_path={RETAINED_CKPT!r} resumes training from retained memory: use it with "
-                               "trainer.fit() on a Trainer with LetoStrategy")
-        return self._payload_checkpoint()
-
-    def _payload_checkpoint(self) -> dict[str, Any]:
-        """The in-memory checkpoint of the resume payload (from retained memory or a checkpoint
-        file); what Lightning's restore does not cover is kept for ``on_train_start``."""
-        ckpt = build_checkpoint(self.module.trainer, self._resume_payload)
-        self._resumed_from = ckpt["leto"]
-        self.fit_state.resumed_into_validation(ckpt["leto"]["validation_rerun"])
-        return ckpt
+        check_retained_resume(self)
+        return payload_checkpoint(self)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -490,24 +399,7 @@ class LetoStrategy(DDPStrategy):
             self._file_checkpoint = None
 
     def _resume_can_follow(self, trainer: pl.Trainer) -> bool:
-        """Whether the fit that ends here leaves retained memory someone resumes from.
-
-        Under ``leto launch`` the agent owns it (and frees it when the job ends). Without it, a
-        fit that completed leaves nothing to resume, and neither does a single process that
-        raised (an exception, ``KeyboardInterrupt``): it is alive and nothing else maps its store.
-        With several ranks started by hand, a peer's death reaches this rank as an exception, and
-        the caller's recovery (``recover_node``, ``fit(ckpt_path="leto://retained")``) needs every
-        store: they are kept, and ``leto cleanup --list`` shows them. A process that died frees
-        nothing by itself, as designed. ``keep_retained=True`` keeps it in every case (a caller
-        that recovers or inspects it itself frees it: ``release(unlink=True)``, ``leto cleanup``)."""
-        if self.runtime is not None or self.keep_retained:
-            return True
-        if trainer.state.status != TrainerStatus.INTERRUPTED or self.world_size <= 1:
-            return False
-        log.warning("LetoStrategy: the fit was interrupted; rank %d keeps the retained memory of job %r for a resume "
-                    "(fit(ckpt_path=%r)); free it with `leto cleanup --job %s`", self.global_rank, self.job_id,
-                    RETAINED_CKPT, self.job_id)
-        return True
+        return resume_can_follow(self, trainer)  # fit_hooks.resume_can_follow says when
 
     def _free_retained(self) -> None:
         """Copy parameters, gradients and optimizer state out of retained memory (the module and
@@ -529,12 +421,7 @@ class LetoStrategy(DDPStrategy):
     def release(self, unlink: bool = False) -> None:
         """Drop this process's mappings; ``unlink=True`` also frees the job's retained memory
         (only when no shadow or agent will need it any more)."""
-        if self.retained is not None:
-            store = self.retained.store
-            if unlink:
-                store.unlink()
-            store.close()
-            self.retained = None
+        release(self, unlink)
 
     def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: pl.Trainer | None = None) -> Any:
         """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
@@ -545,10 +432,7 @@ class LetoStrategy(DDPStrategy):
         ``ckpt_path`` the script passes (a script that always says ``ckpt_path="last"`` works).
         A file ("last", "best", a path) is resolved here exactly as Lightning resolves it, so
         ``configure_ddp`` loads the file Lightning will restore the loops from."""
-        if (self._resume_requested() and not self._env_resume_used
-                and (ckpt_path is None or self.runtime is not None)):
-            self._env_resume_used = True  # a shadow's first fit; later fits start normally
-            ckpt_path = RETAINED_CKPT
+        ckpt_path = retained_ckpt_path(self, ckpt_path)
         from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
         ckpt_file = None
         if ckpt_path is not None and not from_retained and trainer is not None:
@@ -561,12 +445,6 @@ class LetoStrategy(DDPStrategy):
         if self.retained is not None and not from_retained:
             self.release(unlink=True)  # a new fit in this process: a fresh store
         return ckpt_path
-
-    def _resume_requested(self) -> bool:
-        """Options or ``LETO_RESUME=retained``; under ``leto launch`` also every shadow."""
-        if self.runtime is not None and self.runtime.resumes:
-            return True
-        return self.leto_options.resume_requested()
 
 
 def _create_store(spec: StoreSpec) -> RetainedStore:
