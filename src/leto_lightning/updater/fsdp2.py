@@ -78,6 +78,11 @@ def private(obj: object, name: str) -> Any:
             f"retained binding (leto_lightning.updater.fsdp2) must be adapted to this torch") from None
 
 
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a submodule) is sharded with ``fully_shard``."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def fsdp_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, Any]:
     """Every FSDP2 sharded parameter of ``model`` -> its ``FSDPParam``."""
     found: dict[torch.nn.Parameter, Any] = {}
@@ -148,6 +153,13 @@ class RetainedFSDP2:
     @property
     def iteration(self) -> int:
         return self.ro.iteration
+
+    def resume(self) -> object:
+        """Once promoted (after ``attach_fsdp2(..., resume=False)``): continue after the last
+        committed iteration with zeroed gradients. Returns the committed resume payload."""
+        payload = self.ro.resume()
+        self.zero_grad()
+        return payload
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place; DTensor gradients something replaced (e.g.
@@ -249,10 +261,12 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
 
 def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job_id: str, rank: int,
                  barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
-                 ) -> RetainedFSDP2:
+                 resume: bool = True) -> RetainedFSDP2:
     """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
     local shards, their grads and optimizer state become its views and take its values, and
-    training continues after the last committed iteration (``RetainedFSDP2.iteration``)."""
+    training continues after the last committed iteration (``RetainedFSDP2.iteration``).
+    ``resume=False``: views only, nothing written (a shadow binding while the active trainer
+    still trains the same memory); call ``RetainedFSDP2.resume()`` once promoted."""
     hparams = hyperparameters(optimizer)
     shards, sharded = _bindable(model, optimizer)
     store = RetainedStore.attach(job_id, rank)
@@ -263,11 +277,12 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
         raise ConfigurationError(f"rank {rank}: the model's local shards ({expected.describe()}) do not match the "
                                  f"retained store of job {job_id!r} ({store.layout.describe()})")
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
-    ro.bind(adopt=True)
+    ro.bind(adopt=True, resume=resume)
     bound = RetainedFSDP2(ro, sharded)
     # The retained gradients are those of the last committed iteration (a rank killed mid-update
     # kept them for its roll-forward): the next iteration accumulates from zero.
-    bound.zero_grad()
+    if resume:
+        bound.zero_grad()
     return bound
 
 
