@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -35,6 +35,7 @@ from ..faults.points import point
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
+from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
 from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 from .auth import CHILD_ENV
@@ -140,6 +141,12 @@ class Session:
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store.raw), rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout))
 
+    @property
+    def creates_store(self) -> bool:
+        """An active trainer of a new job (or of a restart from a checkpoint) creates the
+        retained store; shadows and cold restarts (``LETO_RESUME=retained``) attach to it."""
+        return self.env.role == Role.ACTIVE and self.env.resume != ResumeMode.RETAINED
+
     def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: RetainedConfig | None = None, start_iteration: int = 0,
                 payload: object = None) -> ProtectedTraining:
@@ -147,26 +154,60 @@ class Session:
 
         A fresh job (or a restart from a checkpoint: pass the checkpoint's next iteration and
         resume payload) creates the retained store; shadows and cold restarts attach to it.
+        A model sharded with FSDP2 (``fully_shard``) keeps its local shards there
+        (``bind_fsdp2``); FSDP2's reduce-scatter then averages the gradients.
         """
         t0 = time.time()
+        sharded = is_fsdp2(model)
         if self.is_shadow and self.env.level < 3:
             self.wait_for_promotion()
-        if self.env.role == Role.ACTIVE and self.env.resume != ResumeMode.RETAINED:
+        if self.creates_store:
+            if sharded:
+                _refuse_sharded_checkpoint_start(start_iteration, payload)
+                bound = self.bind_fsdp2(model, optimizer, config)
+                return ProtectedTraining(self, model, bound.ro, start_iteration=0, payload=None, sharded=bound)
             ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
             return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
-        self._wait_for_store()
-        store = RetainedStore.attach(self.env.job_id, self.rank)
-        ro = RetainedOptimizer(optimizer, store)
-        ro.bind(adopt=True, resume=False)
+        fsdp2: RetainedFSDP2 | None = None
+        if sharded:
+            fsdp2 = self.bind_fsdp2(model, optimizer, config)
+            ro = fsdp2.ro
+        else:
+            self._wait_for_store()
+            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank))
+            ro.bind(adopt=True, resume=False)
         self.wait_for_promotion()  # L3 shadows wait here, fully built
         point("promotion.resume")
         t1 = time.time()
-        payload = ro.resume()
+        payload = fsdp2.resume() if fsdp2 is not None else ro.resume()
         t2 = time.time()
         init_s = (t1 - t0) if self.promoted_at is None or self.promoted_at < t0 else (t1 - self.promoted_at)
         resumed = ResumeInfo(init_s=max(0.0, init_s), resume_s=t2 - t1, iteration=ro.iteration, t=time.time())
         self.store.set(RESUMED.format(gen=self.env.generation, rank=self.rank), resumed.to_json())
-        return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload)
+        return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload, sharded=fsdp2)
+
+    def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   config: RetainedConfig | None = None, *, barrier: Callable[[], None] | None = None,
+                   payload_fn: Callable[[], object] | None = None) -> RetainedFSDP2:
+        """This rank's FSDP2 local shards in retained memory (``updater.fsdp2``), the agent's way.
+
+        The active trainer of a new job creates the store (bound, tier 2 encoded across the
+        node's ranks, complete) and tells shadows it is ready: training starts at iteration 0.
+        A shadow or a cold restart waits until the store is ready and binds views only: nothing
+        is written while the active trainer may still train; once promoted, call
+        ``RetainedFSDP2.resume()``. ``barrier`` (default: the session's) spans every rank.
+        """
+        e = self.env
+        barrier = barrier or self.barrier
+        if self.creates_store:
+            bound = create_fsdp2(model, optimizer, config or RetainedConfig(), job_id=e.job_id, rank=e.rank,
+                                 node=e.node, local_rank=e.local_rank, n_local=e.local_world_size, barrier=barrier,
+                                 payload_fn=payload_fn)
+            self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
+            return bound
+        self._wait_for_store()
+        return attach_fsdp2(model, optimizer, job_id=e.job_id, rank=e.rank, barrier=barrier, payload_fn=payload_fn,
+                            resume=False)
 
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
                 payload: object) -> RetainedOptimizer:
@@ -251,10 +292,11 @@ class ProtectedTraining:
     """The training loop's handle: iteration bookkeeping, gradient all-reduce, the step."""
 
     def __init__(self, session: Session, model: torch.nn.Module, ro: RetainedOptimizer,
-                 start_iteration: int, payload: object) -> None:
+                 start_iteration: int, payload: object, sharded: RetainedFSDP2 | None = None) -> None:
         self.session = session
         self.model = model
         self.optimizer = ro
+        self.sharded = sharded  # FSDP2: the binding of the local shards (ro is its optimizer)
         self.start_iteration = start_iteration
         self.payload = payload
         self._next_payload: object = None
@@ -266,12 +308,13 @@ class ProtectedTraining:
         if iteration != self.optimizer.iteration:
             raise RuntimeError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
         self.session.heartbeat(iteration, "compute")
-        self.optimizer.zero_grad()
+        (self.sharded or self.optimizer).zero_grad()  # FSDP2: the DTensor grads point at their views again
         point("compute.begin", iteration=iteration)
 
     def all_reduce_grads(self) -> None:
-        """Average the retained gradients across ranks: one all-reduce per flat buffer."""
-        if not dist.is_initialized() or self.session.world_size == 1:
+        """Average the retained gradients across ranks: one all-reduce per flat buffer (FSDP2:
+        nothing to do, its reduce-scatter averaged each rank's shard of them)."""
+        if self.sharded is not None or not dist.is_initialized() or self.session.world_size == 1:
             return
         store = self.optimizer.store
         for seg in store.layout.segments:
@@ -282,7 +325,10 @@ class ProtectedTraining:
     def step(self, payload: object = None) -> None:
         self._next_payload = payload
         self.session.heartbeat(self.optimizer.iteration, "update")
-        self.optimizer.step()
+        if self.sharded is not None:  # through the optimizer: an LR scheduler built on it sees the step
+            self.sharded.optimizer.step()
+        else:
+            self.optimizer.step()
         self.session.heartbeat(self.optimizer.iteration - 1, "done")
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
@@ -321,6 +367,13 @@ class _SessionFaults:
 
     def ready_shadow_set(self) -> str:
         return self._session.store.get(SHADOWS_READY).decode()
+
+
+def _refuse_sharded_checkpoint_start(start_iteration: int, payload: object) -> None:
+    if start_iteration or payload is not None:
+        raise UsageError(f"protect(start_iteration={start_iteration}) of an FSDP2 model: a restart from a "
+                         "checkpoint file is not supported for sharded state by Session.protect; start at 0 (an "
+                         "in-place recovery resumes by itself)")
 
 
 class UnsafeCheckpoint(ConfigurationError):
