@@ -1,0 +1,141 @@
+"""ZeRO-1 (DDP + ZeroRedundancyOptimizer) with retained state, 2 gloo ranks on CPU, forked ranks.
+
+- fault-free: bit-identical to DDP + ZeroRedundancyOptimizer(AdamW) and to DDP + AdamW (params,
+  the owned AdamW state, losses), with accumulation, clipping and an LR schedule;
+- an owner SIGKILLed between its commit and ZeRO's broadcast (its peer's replicas of the
+  owner's params are stale): the stores rolled forward by ``recover_node`` in another process,
+  new trainers refresh every replica from the owners' retained params, and continue
+  bit-identically;
+- the refusals: ``parameters_as_bucket_view=True``, ``overlap_with_ddp=True``.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from leto_lightning.errors import ConfigurationError
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import run_in_child
+from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.zero1 import COMMITTED_POINT, create_zero1
+
+from .zero1_job import ACCUMULATE, STEPS, WORLD, Job, run_ranks
+
+CHUNKS = 2  # per rank and iteration: the widest share (rank 0's 30-element weight) in 16-element chunks
+
+
+def run_job(directory, name: str, kinds: tuple[str, ...] = ("retained",), **kw) -> dict[str, list[dict]]:
+    """Run ``kinds`` one after the other in the same forked ranks; kind -> per-rank results."""
+    out = directory / name
+    out.mkdir()
+    codes = run_ranks(Job(rendezvous=str(directory / f"{name}.rdzv"), out_dir=str(out), kinds=kinds, **kw))
+    assert codes == dict.fromkeys(range(WORLD), 0), f"{name}: rank exit codes {codes}"
+    return {kind: [torch.load(out / f"r{r}-{kind}.pt") for r in range(WORLD)] for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory) -> dict[str, list[dict]]:
+    """DDP + ZeroRedundancyOptimizer(AdamW), DDP + AdamW and retained ZeRO-1, in the same ranks."""
+    job_id = new_job_id()
+    try:
+        return run_job(tmp_path_factory.mktemp("zero1"), "fault-free", ("zero", "adamw", "retained"), job_id=job_id)
+    finally:
+        unlink_segments(job_id)
+
+
+@pytest.fixture(scope="module")
+def plain_zero(fault_free) -> list[dict]:
+    return fault_free["zero"]
+
+
+def assert_same(expected: list[dict], got: list[dict], what: str, state: bool = True) -> None:
+    for rank in range(WORLD):
+        exp, res = expected[rank], got[rank]
+        for name, value in exp["params"].items():
+            assert torch.equal(value, res["params"][name]), f"{what}: rank {rank} param {name}"
+        if state:
+            assert exp["state"].keys() == res["state"].keys(), f"{what}: rank {rank} owns other params"
+            for name, st in exp["state"].items():
+                for key, value in st.items():
+                    assert torch.equal(value, res["state"][name][key]), f"{what}: rank {rank} {name}.{key}"
+
+
+def test_fault_free_bit_identical_to_zero_and_to_adamw(fault_free, plain_zero):
+    retained, adamw = fault_free["retained"], fault_free["adamw"]
+    assert_same(plain_zero, retained, "retained ZeRO-1 vs ZeRO-1")
+    assert_same(plain_zero, adamw, "ZeRO-1 vs DDP + AdamW", state=False)
+    for rank in range(WORLD):
+        assert all(torch.equal(x, y) for x, y in zip(plain_zero[rank]["losses"], retained[rank]["losses"], strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(adamw[rank]["losses"], retained[rank]["losses"], strict=True))
+        # each rank's store holds exactly the params it owns; the partition is whole params, unequal
+        assert retained[rank]["in_store"] and retained[rank]["replicas_outside"], f"rank {rank}"
+        assert set(retained[rank]["versions"]) == {STEPS}
+        for name, st in adamw[rank]["state"].items():  # the owned AdamW state is DDP + AdamW's
+            if name in retained[rank]["state"]:
+                assert all(torch.equal(v, retained[rank]["state"][name][k]) for k, v in st.items()), name
+    assert sorted(retained[0]["state"]) == ["0.weight"]
+    assert sorted(retained[1]["state"]) == ["0.bias", "2.bias", "2.weight"]
+
+
+def _recover(job_id: str) -> list[tuple[int, str, int]]:
+    stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
+    try:
+        return [(r.rank, str(r.status_found), r.committed_iteration) for r in recover_node(stores).values()]
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+@pytest.mark.parametrize(("iteration", "kills"), [
+    (1, ((0, COMMITTED_POINT, 2),)),  # rank 0 committed iteration 1; rank 1's copy of its weight is stale
+    # both ranks in iteration 2: rank 1 after its commit, rank 0 in the middle of its first chunk
+    pytest.param(2, ((1, COMMITTED_POINT, 3), (0, "chunk.math_done", 2 * CHUNKS + 1)), marks=pytest.mark.slow),
+], ids=["owner-committed-not-broadcast", "both-ranks"])
+def test_owner_killed_before_broadcast_recovers_from_owners(tmp_path, plain_zero, iteration, kills):
+    job_id = new_job_id()
+    try:
+        crashed = tmp_path / "crashed"
+        crashed.mkdir()
+        codes = run_ranks(Job(rendezvous=str(tmp_path / "crashed.rdzv"), out_dir=str(crashed), kinds=("retained",),
+                              job_id=job_id, kills=kills))
+        assert codes[kills[0][0]] == -signal.SIGKILL and 0 not in codes.values(), codes
+        recovery = run_in_child(lambda: _recover(job_id), timeout=60)
+        assert recovery.exit_code == 0, recovery
+        assert {committed for _, _, committed in recovery.value} == {iteration}, recovery.value
+        continued = run_job(tmp_path, "continued", job_id=job_id, attach=True)["retained"]
+    finally:
+        unlink_segments(job_id)
+    assert_same(plain_zero, continued, f"killed at {kills}")
+    for rank in range(WORLD):
+        tail = plain_zero[rank]["losses"][(iteration + 1) * ACCUMULATE:]
+        assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"
+        assert set(continued[rank]["versions"]) == {STEPS}
+
+
+def test_bucket_view_and_overlap_refused(tmp_path):
+    result = run_in_child(lambda: _refusals(str(tmp_path / "rdzv")), timeout=60)
+    assert result.exit_code == 0, result
+    bucket, overlap = result.value
+    assert "parameters_as_bucket_view=True" in bucket and "parameters_as_bucket_view=False" in bucket, bucket
+    assert "overlap_with_ddp=True" in overlap and "overlap_with_ddp=False" in overlap, overlap
+
+
+def _refusals(rendezvous: str) -> list[str]:
+    dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    try:
+        messages = []
+        for flag in ("parameters_as_bucket_view", "overlap_with_ddp"):
+            zero = ZeroRedundancyOptimizer(torch.nn.Linear(3, 2).parameters(), torch.optim.AdamW, **{flag: True})
+            with pytest.raises(ConfigurationError) as info:
+                create_zero1(zero, RetainedConfig(), job_id=new_job_id())
+            messages.append(str(info.value))
+        return messages
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""A tiny DDP + ZeroRedundancyOptimizer job on gloo, run by forked ranks (one pytest process).
+
+Three kinds, run one after the other in the same ranks (one process group, one fork per rank):
+``"adamw"`` (DDP + torch AdamW), ``"zero"`` (DDP + ZeroRedundancyOptimizer(AdamW)), ``"retained"``
+(the same, bound by ``updater.zero1``). Each rank writes, per kind, what it ends with (every
+param, the AdamW state of the params it steps, losses) to a file; the parent compares the files.
+ZeRO's greedy partition of the four params is unequal: rank 0 owns the 5x6 weight, rank 1 the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from leto_lightning.faults.points import set_hook
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.updater.zero1 import RetainedZeRO1, attach_zero1, create_zero1
+
+from .fsdp2_job import SelfKill, reap
+
+WORLD = 2
+STEPS = 4
+ACCUMULATE = 2
+MAX_NORM = 0.05  # small enough that every step clips
+CONFIG = RetainedConfig(page_bytes=64, data_pages=2, tier1_parity=1, tier2_parity=1, record_bytes=4096)
+
+
+@dataclass(frozen=True)
+class Job:
+    rendezvous: str  # FileStore path (no ports)
+    out_dir: str
+    steps: int = STEPS
+    kinds: tuple[str, ...] = ("zero",)  # run one after the other in the same ranks: "adamw" | "zero" | "retained"
+    job_id: str = ""
+    attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
+    kills: tuple[tuple[int, str, int], ...] = ()  # (rank, point, n): rank SIGKILLs itself at point's n-th occurrence
+
+
+def build(job: Job, kind: str):
+    """DDP model, optimizer, schedule, the binding (retained runs) and the first iteration."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = DistributedDataParallel(net)
+    names = {p: n for n, p in net.named_parameters()}
+    bound: RetainedZeRO1 | None = None
+    if kind == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    else:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    if kind == "retained" and job.attach:
+        bound = attach_zero1(optimizer, job_id=job.job_id, barrier=dist.barrier, names=names)
+    elif kind == "retained":
+        bound = create_zero1(optimizer, CONFIG, job_id=job.job_id, local_rank=dist.get_rank(), n_local=WORLD,
+                             barrier=dist.barrier, names=names)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    start = bound.iteration if bound is not None else 0
+    for _ in range(start):  # a re-bound run: the schedule where the retained run left it
+        schedule.step()
+    return model, optimizer, schedule, bound, start
+
+
+def batches(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randn(4, 6, generator=gen) for _ in range(ACCUMULATE)]
+
+
+def train(job: Job, rank: int) -> None:
+    torch.set_num_threads(1)
+    for kill_rank, name, n in job.kills:
+        if rank == kill_rank:
+            set_hook(SelfKill(name, n))
+    dist.init_process_group("gloo", store=dist.FileStore(job.rendezvous, WORLD), rank=rank, world_size=WORLD)
+    try:
+        for kind in job.kinds:
+            result = train_one(job, kind, rank)
+            torch.save(result, os.path.join(job.out_dir, f"r{rank}-{kind}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def train_one(job: Job, kind: str, rank: int) -> dict:
+    model, optimizer, schedule, bound, start = build(job, kind)
+    losses = []
+    for step in range(start, job.steps):
+        for i, x in enumerate(batches(rank, step)):
+            with model.no_sync() if i < ACCUMULATE - 1 else contextlib.nullcontext():
+                loss = model(x).pow(2).mean() / ACCUMULATE
+                loss.backward()
+            losses.append(loss.detach().clone())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()  # retained: chunk transactions over the owned params, then ZeRO's broadcast
+        optimizer.zero_grad()
+        schedule.step()
+    return {"losses": losses, **final_state(model.module, optimizer, bound)}
+
+
+def final_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, bound: RetainedZeRO1 | None) -> dict:
+    """Every param; the AdamW state of the params this rank steps, by param name."""
+    names = {p: n for n, p in net.named_parameters()}
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    out: dict = {"params": {n: p.detach().clone() for n, p in net.named_parameters()},
+                 "state": {names[p]: {k: v.clone() for k, v in local.state[p].items()}
+                           for g in local.param_groups for p in g["params"]}}
+    if bound is not None:
+        data = bound.store.data
+        lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+        owned = [p for g in local.param_groups for p in g["params"]]
+        out["in_store"] = all(lo <= p.data_ptr() < hi and lo <= p.grad.data_ptr() < hi for p in owned)
+        mine = set(map(id, owned))
+        out["replicas_outside"] = all(not lo <= p.data_ptr() < hi for p in net.parameters() if id(p) not in mine)
+        out["iteration"] = bound.iteration
+        out["versions"] = bound.store.versions().tolist()
+    return out
+
+
+def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
+    """Fork one child per rank running ``train``; reap every one by pid (``fsdp2_job.reap``)."""
+    pids = {}
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                train(job, rank)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids[rank] = pid
+    return reap(pids, timeout)
