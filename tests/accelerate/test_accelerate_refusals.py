@@ -40,9 +40,15 @@ def test_what_leto_cannot_protect_is_refused_at_construction(monkeypatch) -> Non
 
     with pytest.raises(ConfigurationError, match=r"gradient_as_bucket_view=True.*leave gradient_as_bucket_view=False"):
         LetoAccelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
-    with pytest.raises(ConfigurationError, match=r"LetoAccelerator\(fsdp_plugin=...\): FSDP shards .*MULTI_GPU"):
+    with pytest.raises(ConfigurationError, match=r"LetoAccelerator\(fsdp_plugin=<object .*\): not a "
+                                                 r"FullyShardedDataParallelPlugin -- use .*fsdp_version=2"):
         LetoAccelerator(fsdp_plugin=object())
-    for var, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP"),
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # FSDP1: Accelerate's default version (FSDP2: sharded/)
+    with pytest.raises(ConfigurationError, match=r"^ACCELERATE_USE_FSDP=true with FSDP_VERSION=1 \(an Accelerate "
+                                                 r"config with FSDP1\): .*fsdp_version: 2"):
+        LetoAccelerator()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    for var, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
                       ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):  # what `accelerate launch` sets from a config
         monkeypatch.setenv(var, "true")
         with pytest.raises(ConfigurationError, match=rf"^{var}=true \(an Accelerate config with {name}\): .* use plain "

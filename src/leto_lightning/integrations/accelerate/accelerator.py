@@ -43,8 +43,9 @@ from ...faults.points import point
 from ...runtime import per_rank
 from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
+from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer
-from . import checkpoint
+from . import checkpoint, fsdp2
 from .binding import agreed_job_id, param_names
 from .binding import attach as attach_store
 from .binding import create as create_store
@@ -71,11 +72,19 @@ class LetoAccelerator(Accelerator):
             raise ConfigurationError(f"leto={leto!r}: pass leto=LetoConfig(...) (from leto_lightning.accelerate)")
         config = (leto if leto is not None else LetoConfig()).with_environment()
         refuse_unsupported(kwargs)
+        fsdp_plugin = fsdp2.requested_plugin(kwargs)
+        if fsdp_plugin is not None:
+            kwargs["fsdp_plugin"] = fsdp_plugin  # one plugin object (also when it came from the environment)
+        if fsdp_plugin is not None and config.rollback_window:
+            raise ConfigurationError(f"{WHO}: LetoConfig(rollback_window=True) with FSDP2: the exact mode's "
+                                     "whole-state undo copy is not built for local shards yet -- leave "
+                                     "rollback_window=False")
         self.leto_config = config
         self.leto_options = config.runtime_options()
         self.retained_config = config.retained_config()
         self.runtime: RuntimeLink | None = RuntimeLink(config.heartbeat_interval) if under_launcher() else None
         self.retained: RetainedOptimizer | None = None
+        self.leto_fsdp2: RetainedFSDP2 | None = None  # the FSDP2 binding of the local shards (fsdp2.py)
         self.leto_optimizer: LetoAcceleratedOptimizer | None = None
         self.leto_loaders: list = []
         self.leto_recoveries = 0
@@ -98,6 +107,8 @@ class LetoAccelerator(Accelerator):
         if self.runtime is not None:
             self._connect(world, kwargs.get("kwargs_handlers") or ())
         super().__init__(*args, **kwargs)
+        if fsdp_plugin is not None:
+            fsdp2.fsdp2_on_cpu(self, fsdp_plugin)  # what Accelerate does on GPUs (fsdp2.py)
         check_distributed(self)
 
     def _connect(self, world: int, handlers: Any) -> None:
@@ -154,31 +165,43 @@ class LetoAccelerator(Accelerator):
         if not all(id(p) in in_models for p in params):
             return  # the model comes in a later prepare() call
         job = self.leto_options.resolved_job_id() or agreed_job_id(self.num_processes)
-        rollback = self.leto_config.rollback_window
-
-        def payload_fn() -> dict:
-            return capture(self, PREPARE, self._train_loader)
-
-        barrier = self._barrier()
         continuing = (self.runtime is not None and self.runtime.resumes) or self.leto_options.resume_requested()
         self.leto_state.bound(continuing)
+        if continuing and self.runtime is not None:
+            self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
+        ro = self._bind_fsdp2(prepared, job, continuing) if self.is_fsdp2 else self._bind(prepared, job, continuing)
         if continuing:
             if self.runtime is not None:
-                self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
-            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, payload_fn, rollback)
-            if self.runtime is not None:
                 self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
-            self._leto_payload = ro.resume()
+            self._leto_payload = self.leto_fsdp2.resume() if self.leto_fsdp2 is not None else ro.resume()
+        elif self.runtime is not None:
+            self.runtime.store_ready()  # shadows may attach now
         else:
-            ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
-                                param_names(self._models), barrier, payload_fn, rollback)
-            if self.runtime is not None:
-                self.runtime.store_ready()  # shadows may attach now
-            else:
-                atexit.register(_free, ro)  # no agent will free it
-        prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
+            atexit.register(_free, ro)  # no agent will free it
         prepared.bind_step(self._retained_step)
         self.retained, self.leto_optimizer = ro, prepared
+
+    def _payload(self) -> dict:
+        return capture(self, PREPARE, self._train_loader)
+
+    def _bind(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
+        """DDP (or one process): the full parameters and their optimizer state (binding.py)."""
+        rollback, barrier = self.leto_config.rollback_window, self._barrier()
+        if continuing:
+            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, self._payload, rollback)
+        else:
+            ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
+                              param_names(self._models), barrier, self._payload, rollback)
+        prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
+        return ro
+
+    def _bind_fsdp2(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
+        """FSDP2: this rank's local shards through the core binding (fsdp2.py); the torch
+        optimizer's ``zero_grad`` becomes the binding's, which keeps DTensor gradients views."""
+        (model,) = self._models  # Accelerate's FSDP2 prepares exactly one model
+        self.leto_fsdp2 = fsdp2.bind(model, prepared.optimizer, self.retained_config, job, self._ranks(), continuing,
+                                     self._barrier(), self._payload)
+        return self.leto_fsdp2.ro
 
     def _ranks(self) -> dict[str, int]:
         env = os.environ
@@ -204,7 +227,7 @@ class LetoAccelerator(Accelerator):
         if link is not None:
             link.update_start(ro.iteration)
         self._train_loader = self._last_loader
-        loss = ro.step(closure)
+        loss = self.leto_fsdp2.step(closure) if self.leto_fsdp2 is not None else ro.step(closure)
         ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
         self.leto_state.stepped()
         if link is not None:
@@ -254,7 +277,7 @@ class LetoAccelerator(Accelerator):
         if not self.leto_state.awaiting_resume:  # fresh (None), or resumed already (the same point)
             return self._leto_point
         self.leto_state.resumed()
-        self.retained.zero_grad()  # a crashed accumulation's partial gradients are dropped
+        (self.leto_fsdp2 or self.retained).zero_grad()  # a crashed accumulation's partial gradients are dropped
         payload = self._leto_payload
         self._leto_point = restore(self, payload) if payload is not None else None
         self.leto_recoveries = (payload or {}).get("recoveries", 0) + (0 if self._leto_from_checkpoint else 1)
@@ -271,6 +294,7 @@ class LetoAccelerator(Accelerator):
         """Accelerate's checkpoint plus this rank's Leto payload (``checkpoint.py``)."""
         if self.retained is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
+        fsdp2.refuse_checkpoint(self.leto_fsdp2, "save_state")
         with checkpoint.compact_saves(self):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         checkpoint.save(self, str(location))
@@ -282,6 +306,7 @@ class LetoAccelerator(Accelerator):
         ``leto_resume()`` says where to continue; a continuing one loads nothing (``checkpoint.py``)."""
         if self.retained is None:
             return super().load_state(input_dir, **kwargs)
+        fsdp2.refuse_checkpoint(self.leto_fsdp2, "load_state")
         return checkpoint.load(self, input_dir, lambda where: super(LetoAccelerator, self).load_state(where, **kwargs),
                                strict=kwargs.get("strict", True))
 

@@ -20,16 +20,14 @@ _ENGINES = (
      "DeepSpeed shards and updates optimizer state inside its own engine"),
     ("megatron_lm_plugin", "ACCELERATE_USE_MEGATRON_LM", "Megatron-LM",
      "Megatron-LM runs its own optimizer over sharded state"),
-    ("fsdp_plugin", "ACCELERATE_USE_FSDP", "FSDP",
-     "FSDP shards parameters and optimizer state; sharded retained state is not supported yet"),
-)
+)  # FSDP: only FSDP2, checked in fsdp2.py
 _FIX = ("use plain data parallelism (`distributed_type: MULTI_GPU`, as in configs/accelerate/leto.yaml), or the "
         "plain Accelerator without Leto")
 
 
 def refuse_unsupported(kwargs: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> None:
-    """DeepSpeed, Megatron-LM, FSDP (as arguments or from ``accelerate launch``'s config), and DDP
-    options that move gradients out of retained memory."""
+    """DeepSpeed, Megatron-LM (as arguments or from ``accelerate launch``'s config), and DDP
+    options that move gradients out of retained memory (FSDP: ``fsdp2.requested_plugin``)."""
     for arg, var, name, why in _ENGINES:
         if kwargs.get(arg) is not None:
             raise ConfigurationError(f"{WHO}({arg}=...): {why}, which Leto's retained transactions cannot "
@@ -57,9 +55,12 @@ def check_distributed(acc: Any) -> None:
     from accelerate.utils import DistributedType
 
     kind = acc.distributed_type
-    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        raise ConfigurationError(f"distributed_type={kind}: {WHO} supports NO, MULTI_CPU and MULTI_GPU (DDP) -- "
-                                 f"{_FIX}")
+    if kind == DistributedType.FSDP and not acc.is_fsdp2:
+        raise ConfigurationError(f"distributed_type={kind} with FSDP1: {WHO} retains FSDP2's local shards -- use "
+                                 "FullyShardedDataParallelPlugin(fsdp_version=2)")
+    if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):
+        raise ConfigurationError(f"distributed_type={kind}: {WHO} supports NO, MULTI_CPU and MULTI_GPU (DDP) and "
+                                 f"FSDP2 -- {_FIX}")
     if acc.device.type != "cpu":
         raise ConfigurationError(
             f"device {acc.device}: this version keeps retained memory in POSIX shared memory (CPU); run with "

