@@ -187,6 +187,25 @@ class RetainedFSDP2:
     def record_committed(self, payload: object) -> None:
         self.ro.record_committed(payload)
 
+    def detach(self) -> None:
+        """Copy the shards, their gradients and the optimizer state out of retained memory
+        (the model and optimizer stay usable: ``trainer.test()``, ``state_dict()``) before the
+        store is closed or freed; the optimizer's ``step``/``zero_grad`` are its class's again."""
+        with torch.no_grad():
+            for alias, (param, fsdp_param), grad in zip(self.ro.params, self._sharded, self._grad_views):
+                data = alias.data.clone()
+                alias.data = data
+                fsdp_param._sharded_param_data = data.view(-1)
+                param._local_tensor = data.narrow(0, 0, private(fsdp_param, "sharded_size")[0])  # type: ignore[attr-defined]
+                param.grad = fsdp_param.to_sharded_dtensor(grad.clone())
+                alias.grad = None
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.clone()
+        for name in ("step", "zero_grad", "_leto_fsdp2"):
+            self.optimizer.__dict__.pop(name, None)
+
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     return optimizer._leto_fsdp2.step(closure)  # type: ignore[attr-defined]

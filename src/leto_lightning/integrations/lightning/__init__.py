@@ -1,6 +1,7 @@
-"""Lightning integration: ``Trainer(strategy="leto")`` (docs/design.md section 2.6).
+"""Lightning integration: ``Trainer(strategy="leto")`` (DDP) and ``Trainer(strategy="leto_fsdp2")``
+(FSDP2, ``fully_shard`` in ``configure_model``) (docs/design.md section 2.6, docs/lightning.md).
 
-Importing this package makes the ``"leto"`` strategy name known to Lightning's
+Importing this package makes the ``"leto"`` and ``"leto_fsdp2"`` strategy names known to Lightning's
 ``StrategyRegistry`` -- at once if ``lightning.pytorch`` is already imported, otherwise the
 moment it is (``_autoregister``), so importing this package costs nothing when Lightning is
 never used. Registration is idempotent. The public names load on first access.
@@ -12,10 +13,12 @@ import importlib
 import sys
 from typing import Any
 
-from . import _autoregister
+from . import _autoregister, launch_guard
 
 _EXPORTS = {
     "LetoStrategy": "strategy",
+    "LetoModelParallelStrategy": "fsdp2_strategy",
+    "FSDP2_STRATEGY_NAME": "fsdp2_strategy",
     "STRATEGY_NAME": "strategy",
     "LetoLoopStateCallback": "callback",
     "ResumableDataLoader": "data",
@@ -23,9 +26,11 @@ _EXPORTS = {
     "RETAINED_CKPT": "options",
 }
 __all__ = [
+    "FSDP2_STRATEGY_NAME",
     "RETAINED_CKPT",
     "STRATEGY_NAME",
     "LetoLoopStateCallback",
+    "LetoModelParallelStrategy",
     "LetoRuntimeOptions",
     "LetoStrategy",
     "ResumableDataLoader",
@@ -47,9 +52,16 @@ def register() -> None:
         strategy.LetoStrategy.register_strategies(StrategyRegistry)
     elif "leto" not in StrategyRegistry:
         StrategyRegistry.register("leto", _make_strategy, description=_DESCRIPTION)
+    sharded = sys.modules.get(f"{__name__}.fsdp2_strategy")
+    if sharded is not None and hasattr(sharded, "LetoModelParallelStrategy"):
+        sharded.LetoModelParallelStrategy.register_strategies(StrategyRegistry)
+    elif "leto_fsdp2" not in StrategyRegistry:
+        StrategyRegistry.register("leto_fsdp2", _make_fsdp2_strategy, description=_FSDP2_DESCRIPTION)
+    launch_guard.install()  # under leto launch: a Trainer without a Leto strategy fails naming it
 
 
 _DESCRIPTION = "Leto: DDP with retained optimizer state and in-place recovery"
+_FSDP2_DESCRIPTION = "Leto: FSDP2 (fully_shard) with retained local shards"
 
 
 def _make_strategy(**kwargs: Any) -> Any:
@@ -59,7 +71,15 @@ def _make_strategy(**kwargs: Any) -> Any:
     return LetoStrategy(**kwargs)
 
 
+def _make_fsdp2_strategy(**kwargs: Any) -> Any:
+    """``StrategyRegistry.get("leto_fsdp2")`` before ``fsdp2_strategy.py`` was imported."""
+    from .fsdp2_strategy import LetoModelParallelStrategy
+
+    return LetoModelParallelStrategy(**kwargs)
+
+
 _make_strategy.leto_factory = True  # type: ignore[attr-defined]  # strategy.py replaces only this
+_make_fsdp2_strategy.leto_factory = True  # type: ignore[attr-defined]  # fsdp2_strategy.py replaces only this
 
 
 def __getattr__(name: str) -> Any:

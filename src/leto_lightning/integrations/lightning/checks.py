@@ -14,9 +14,12 @@ import torch
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import Strategy
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ...errors import ConfigurationError
 from ...updater.retained_optimizer import optimizer_family
+from ...updater.zero1 import check_zero1
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -34,9 +37,49 @@ def reject_ddp_options(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
 
 
+FSDP2_ADVICE = ("Leto retains sharded state with FSDP2 only: use Trainer(strategy='leto_fsdp2') and shard with "
+                "torch.distributed.fsdp.fully_shard in LightningModule.configure_model")
+
+
+def refuse_fsdp1(model: torch.nn.Module | None, who: str) -> None:
+    """A module wrapped in ``FullyShardedDataParallel`` (FSDP1) keeps state Leto cannot retain."""
+    wrapped = [name or type(m).__name__ for name, m in (model.named_modules() if model is not None else ())
+               if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        raise ConfigurationError(f"{who}: module {wrapped[0]!r} is wrapped in FullyShardedDataParallel (FSDP1); "
+                                 f"{FSDP2_ADVICE}")
+
+
+def check_sharded_model(model: torch.nn.Module, who: str) -> None:
+    """``LetoModelParallelStrategy``: the model must be sharded by ``fully_shard`` (FSDP2)."""
+    refuse_fsdp1(model, who)
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ConfigurationError(f"{who}: the model is not sharded ({type(model).__name__} has no fully_shard "
+                                 "module): apply torch.distributed.fsdp.fully_shard to its blocks and to the model in "
+                                 "LightningModule.configure_model (mesh=self.device_mesh['data_parallel']), or use "
+                                 "strategy='leto' (DDP)")
+
+
+def check_sharded_trainer(strategy: Strategy, trainer: pl.Trainer) -> None:
+    """What ``LetoModelParallelStrategy`` cannot protect, rejected before anything is allocated."""
+    precision = strategy.precision_plugin
+    name = getattr(precision, "precision", None)
+    if type(precision) is not Precision or name != "32-true":
+        raise ConfigurationError(f"precision {name!r} ({type(precision).__name__}): {type(strategy).__name__} trains "
+                                 "with Trainer(precision='32-true'); for mixed precision pass fully_shard(..., "
+                                 "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) in configure_model "
+                                 "(the retained master shards stay fp32)")
+    check_device(strategy)
+
+
 def check_trainer(strategy: Strategy, trainer: pl.Trainer) -> None:
     """Combinations LetoStrategy cannot protect, rejected before anything is allocated."""
     check_precision(strategy.precision_plugin)
+    refuse_fsdp1(strategy.model, type(strategy).__name__)
+    check_device(strategy)
+
+
+def check_device(strategy: Strategy) -> None:
     if strategy.root_device.type != "cpu":
         raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
                          "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
@@ -74,6 +117,8 @@ def the_optimizer(strategy: Strategy, trainer: pl.Trainer) -> torch.optim.Optimi
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
                          "-- use another optimizer with LetoStrategy")
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: the owned shard retained (updater.zero1)
+        return check_zero1(optimizer)  # parameters_as_bucket_view / overlap_with_ddp refused, naming the fix
     if type(optimizer).__module__.startswith("torch.distributed"):
         raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
                          "retains each rank's full optimizer state -- use a plain torch.optim optimizer")

@@ -7,31 +7,42 @@ breaks the scheduler's bookkeeping; handing the plugin a different object does n
 class is created per optimizer class and subclasses it, so ``isinstance(opt, AdamW)`` in user
 hooks (``on_before_optimizer_step``, ``configure_gradient_clipping``) still holds; everything
 else -- ``param_groups``, ``state``, ``defaults``, ``state_dict`` -- is the real optimizer's.
+
+Under FSDP2 the real optimizer's groups hold plain aliases of the padded local shards
+(``updater.fsdp2``); the precision plugin clips ``group["params"]`` of the optimizer it steps,
+and the norm must be the global one over the DTensor parameters, as under plain FSDP2. So a
+proxy made with ``group_params`` shows each group with its DTensor parameters
+(``ShardedGroup``: every other key, read or written, is the real group's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 _PROXY_CLASSES: dict[type, type] = {}
-_OWN = ("_leto_optimizer", "_leto_step")
+_OWN = ("_leto_optimizer", "_leto_step", "_leto_groups")
 
 
 class _RetainedStepProxy:
     """Mixin placed before the optimizer class in the proxy's MRO (see ``proxy_for``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[Callable | None], Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[Callable | None], Any],
+                 group_params: Sequence[Sequence[torch.nn.Parameter]] | None = None) -> None:
         # torch.optim.Optimizer.__init__ is deliberately not called: all state is the real one's.
         object.__setattr__(self, "_leto_optimizer", optimizer)
         object.__setattr__(self, "_leto_step", step_fn)
+        groups = None if group_params is None else [
+            ShardedGroup(g, params) for g, params in zip(optimizer.param_groups, group_params, strict=True)]
+        object.__setattr__(self, "_leto_groups", groups)
 
     # -- the real optimizer's state --------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict]:
-        return self._leto_optimizer.param_groups
+    def param_groups(self) -> list:
+        groups = object.__getattribute__(self, "_leto_groups")
+        return self._leto_optimizer.param_groups if groups is None else groups
 
     @property
     def state(self) -> dict:
@@ -89,9 +100,38 @@ def proxy_class(cls: type) -> type:
     return _PROXY_CLASSES[cls]
 
 
-def proxy_for(optimizer: torch.optim.Optimizer, step_fn: Callable[[Callable | None], Any]) -> torch.optim.Optimizer:
-    """A proxy for ``optimizer`` whose ``step(closure)`` calls ``step_fn(closure)``."""
-    return proxy_class(type(optimizer))(optimizer, step_fn)
+def proxy_for(optimizer: torch.optim.Optimizer, step_fn: Callable[[Callable | None], Any],
+              group_params: Sequence[Sequence[torch.nn.Parameter]] | None = None) -> torch.optim.Optimizer:
+    """A proxy for ``optimizer`` whose ``step(closure)`` calls ``step_fn(closure)``;
+    ``group_params``: the parameters each group shows instead of its own (FSDP2)."""
+    return proxy_class(type(optimizer))(optimizer, step_fn, group_params)
+
+
+class ShardedGroup(MutableMapping):
+    """A real param group seen with other ``"params"`` (the DTensor parameters its aliases
+    stand for): reads and writes of every other key (``lr``, ...) go to the real group."""
+
+    def __init__(self, group: dict, params: Sequence[torch.nn.Parameter]) -> None:
+        self._group = group
+        self._params = list(params)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise RuntimeError("the params of a retained FSDP2 param group are bound to retained memory; "
+                               "build every group in configure_optimizers")
+        self._group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
 
 
 def real_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
