@@ -142,6 +142,12 @@ class RetainedZeRO1(RetainedOptimizer):
             else:
                 p.grad.detach_().zero_()
 
+    def unbind(self) -> None:
+        """Give ``zero.optim.step`` and ``zero.zero_grad`` back to torch (the retained memory is
+        being freed; the caller copied params and state out)."""
+        self.zero.optim.__dict__.pop("step", None)
+        self.zero.__dict__.pop("zero_grad", None)
+
     def refresh_replicas(self) -> None:
         """Every rank's copy of every param becomes its owner's retained value (a collective:
         one broadcast per param from its owner). Run after a recovery, before the first forward."""

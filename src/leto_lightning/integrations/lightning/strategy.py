@@ -37,7 +37,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.store import RetainedStore, StoreSpec
 from ...runtime.link import RuntimeLink
-from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2, layout_for
+from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2
 from ...updater.transaction import ParityCodes
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
@@ -71,6 +71,7 @@ from .options import RETAINED_CKPT
 from .proxy import proxy_for, real_optimizer
 from .resume import apply_param_groups
 from .versions import check_lightning
+from .zero1 import after_adopt, before_free, retained_for, stepped_optimizer, store_layout, zero1_partition
 
 STRATEGY_NAME = "leto"
 log = logging.getLogger(__name__)
@@ -242,21 +243,23 @@ class LetoStrategy(DDPStrategy):
         manual = not module.automatic_optimization
         if self.fit_state.mode is FitMode.NONE:  # a fit the launcher did not see (no resolve_fit_ckpt_path)
             self.fit_state.begin(FitMode.FRESH)
+        split = zero1_partition(optimizer, module, manual=manual, under_launcher=self.runtime is not None)  # ZeRO-1
         if self.fit_state.mode.from_retained_memory:
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
-            ro = RetainedOptimizer(optimizer, store, prepare_barrier(self), payload, rollback_window=manual)
+            ro = retained_for(optimizer, store, prepare_barrier(self), payload, manual, split)
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
+            after_adopt(ro)  # ZeRO-1: replicas from the owners, before DDP's broadcast from rank 0
         else:
             iteration, self.resume_payload = self._load_checkpoint_file(trainer, optimizer)
             config = self.retained_config
             config.check_devices(self.num_processes)
             names = {p: n for n, p in module.named_parameters()}
             spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
-                             layout_for(optimizer, config, names, whole_state=manual), config)
+                             store_layout(optimizer, config, names, manual, split), config)
             store = _create_store(spec)
-            ro = RetainedOptimizer(optimizer, store, prepare_barrier(self), payload, rollback_window=manual)
+            ro = retained_for(optimizer, store, prepare_barrier(self), payload, manual, split)
             # A checkpoint's weights and optimizer state move into the new store, which starts at
             # its global step with its payload committed (a crash before the next step resumes there).
             ro.bind(adopt=False, iteration=iteration, payload=self.resume_payload)
@@ -302,7 +305,7 @@ class LetoStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
         ro = self.retained
-        if ro is None or real_optimizer(optimizer) is not ro.optimizer:
+        if ro is None or real_optimizer(optimizer) is not stepped_optimizer(ro):
             raise RuntimeError("LetoStrategy: this optimizer is not bound to retained memory (created outside "
                                "configure_optimizers?); it would train without protection")
         assert self._proxy is not None  # made with the binding
@@ -416,6 +419,7 @@ class LetoStrategy(DDPStrategy):
                     if isinstance(value, torch.Tensor):
                         state[key] = value.clone()
         ro.optimizer.__dict__.pop("zero_grad", None)  # the instance attribute _bind_retained set
+        before_free(ro)
         self.release(unlink=True)
 
     def release(self, unlink: bool = False) -> None:
