@@ -64,9 +64,13 @@ class ShardedTiny(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def loader(steps: int) -> DataLoader:
+STEPS_PER_EPOCH = 4
+
+
+def loader() -> DataLoader:
+    """``STEPS_PER_EPOCH`` optimizer steps per epoch and rank (the distributed sampler splits it)."""
     gen = torch.Generator().manual_seed(7)
-    data = torch.randn(steps * ACCUMULATE * WORLD * 4, 6, generator=gen)
+    data = torch.randn(STEPS_PER_EPOCH * ACCUMULATE * WORLD * 4, 6, generator=gen)
     return DataLoader(TensorDataset(data), batch_size=4)
 
 
@@ -123,11 +127,12 @@ def trainer_for(job: LightningJob) -> pl.Trainer:
 
 
 def train_rank(job: LightningJob, rank: int) -> None:
+    """One hand-started rank (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*), as a launcher would start it."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     trainer = trainer_for(job)
-    trainer.fit(ShardedTiny(bf16=job.bf16), loader(job.steps))
+    trainer.fit(ShardedTiny(os.path.join(job.out_dir, f"losses{rank}.txt"), bf16=job.bf16), loader())
     torch.distributed.destroy_process_group()
 
 
@@ -161,7 +166,21 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ["RANK"])
     trainer = trainer_for(LightningJob(args.out, args.steps, leto=True))
     module = ShardedTiny(loss_file=os.path.join(args.out, f"losses{rank}.txt"))
-    trainer.fit(module, loader(args.steps))
+    trainer.fit(module, loader())
+
+
+def loss_series(path: str) -> list[tuple[int, int, str]]:
+    """(global step, batch index, loss as hex) per batch, in order, from a ``losses<rank>.txt``
+    that every trainer of a rank appended to: a batch a killed trainer computed and its
+    successor recomputed must show the same loss, and is kept once."""
+    seen: dict[tuple[int, int], str] = {}
+    for line in open(path).read().split("\n"):
+        if not line:
+            continue
+        step, batch, value = line.split()
+        key = (int(step), int(batch))
+        assert seen.setdefault(key, value) == value, f"{path}: batch {key} recomputed as {value}, was {seen[key]}"
+    return [(*key, value) for key, value in seen.items()]
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ from .lightning_fsdp2_job import ACCUMULATE, CLIP, WORLD, LightningJob, run_ligh
 STEPS = 4
 
 
-def run(directory, name: str, **kw) -> list[dict]:
+def run(directory, name: str, steps: int = STEPS, **kw) -> list[dict]:
+    """``LightningJob(**kw)`` on forked ranks; every rank must end with exit code 0."""
     out = directory / name
     out.mkdir()
-    codes = run_lightning_ranks(LightningJob(out_dir=str(out), steps=STEPS, port=free_port(), **kw))
+    codes = run_lightning_ranks(LightningJob(out_dir=str(out), steps=steps, port=free_port(), **kw))
     assert codes == dict.fromkeys(range(WORLD), 0), f"{name}: rank exit codes {codes}"
     return [torch.load(out / f"r{r}.pt") for r in range(WORLD)]
 
