@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
+import subprocess
+import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -21,7 +26,8 @@ import pytest
 import torch
 
 from leto_lightning.errors import ConfigurationError
-from leto_lightning.testing.launched import free_port
+from leto_lightning.runtime.events import read_events
+from leto_lightning.testing.launched import LaunchedRun, free_port, leftovers, stop, wait_for
 
 from . import acc_fsdp2_train
 from .fsdp2_job import reap
@@ -120,3 +126,94 @@ def test_fsdp1_and_offload_refused(monkeypatch) -> None:
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigurationError, match=r"^ACCELERATE_USE_FSDP=true with FSDP_VERSION=1 .*fsdp_version: 2"):
         LetoAccelerator()
+
+
+# -- under accelerate launch, with failures ------------------------------------------------------
+QUIET = {k: v for k, v in os.environ.items() if k not in _CLEAR and k not in (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} | {"PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def agent_events(run_dir: Path) -> dict[int, list[dict]]:
+    """{rank: its per-rank agent's events} (rank r > 0 writes agents/rank<r>/)."""
+    logs = {0: read_events(run_dir)} if (run_dir / "events.jsonl").exists() else {}
+    for sub in sorted((run_dir / "agents").glob("rank*")):
+        logs[int(sub.name[4:])] = read_events(sub)
+    return logs
+
+
+def all_events(run_dir: Path) -> list[dict]:
+    return [e for log in agent_events(run_dir).values() for e in log]
+
+
+def active_pid(run_dir: Path, rank: int) -> int:
+    """The pid training as ``rank`` now: the last active started or shadow promoted."""
+    events = all_events(run_dir)
+    became = [(e["time"], e["pid"]) for e in events
+              if e["event"] == "process_started" and e["role"] == "active" and e["rank"] == rank]
+    for promo in (e for e in events if e["event"] == "shadows_promoted"):
+        became += [(promo["time"], e["pid"]) for e in events if e["event"] == "process_started"
+                   and e["role"] == "shadow" and e["shadow_set"] == promo["shadow_set"] and e["rank"] == rank]
+    return max(became)[1]
+
+
+def recoveries(run_dir: Path) -> int:
+    return sum(e["event"] == "recovery_finished" for e in agent_events(run_dir).get(0, []))
+
+
+def kill_from_outside(run_dir: Path, out: Path, ranks: tuple[int, ...], after_step: int, rng: random.Random,
+                      ) -> list[int]:
+    """SIGKILL the active trainers of ``ranks`` at a random moment after ``after_step`` was logged
+    (ready shadows or not: without, the agents restart trainers on the retained state), and wait
+    for the recovery; returns the pids killed."""
+    done = recoveries(run_dir)
+    wait_for(lambda: (out / "losses_rank0.jsonl").exists() and len(rows(out, 0)) > after_step, 200,
+             f"step {after_step}")
+    time.sleep(rng.uniform(0.0, 0.6))  # compute, accumulation or update
+    pids = [active_pid(run_dir, r) for r in ranks]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: recoveries(run_dir) > done, 200, "the recovery")
+    return pids
+
+
+def _fault(fid: str, rank: int, where: str, iteration: int, occurrence: int = 1) -> dict:
+    return {"id": fid, "rank": rank, "point": where, "iteration": iteration, "occurrence": occurrence,
+            "wait_shadows": True}
+
+
+@pytest.mark.slow  # LETO_LONG=1: about 2 minutes on 2 loaded cores (shadows re-import torch per recovery)
+def test_accelerate_launch_fsdp2_five_kills_bit_identical(tmp_path) -> None:
+    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: SIGKILLs inside an
+    update (rank 1, a chunk's math done), after a step (rank 0), mid accumulation (rank 1), both
+    ranks at once from outside, one rank from outside: exit 0, every recovery in place, local
+    shards, AdamW state, LR, losses and grad norms bit-identical to plain Accelerate + FSDP2."""
+    reference = tmp_path / "plain"
+    run_forked(reference, "--plain", "--epochs", "4")
+    out, port = tmp_path / "out", free_port()
+    faults = [_fault("update", 1, "chunk.math_done", 2), _fault("between", 0, "accelerate.after_step", 4),
+              _fault("accumulation", 1, "compute.begin", 6, occurrence=2)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
+           str(port), str(SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.4"]
+    log = tmp_path / "launch.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(QUIET, LETO_FAULTS=json.dumps(faults)), stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: any((tmp_path / "leto-runs").glob(f"accelerate-*-{port}")), 120, "the run dir")
+        (run_dir,) = (tmp_path / "leto-runs").glob(f"accelerate-*-{port}")
+        wait_for(lambda: recoveries(run_dir) >= 3, 300, "the three injected faults' recoveries")
+        rng = random.Random(14)
+        kills = [kill_from_outside(run_dir, out, (0, 1), 8, rng), kill_from_outside(run_dir, out, (1,), 11, rng)]
+        proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    assert differences(out, reference) == []
+    failed = {e["pid"]: e for e in all_events(run_dir) if e["event"] == "failure_detected" and e["pid"]}
+    assert all(e["signal"] == signal.SIGKILL for e in failed.values()), failed
+    assert all(set(pids) & set(failed) for pids in kills), (kills, sorted(failed))
+    for rank, events in agent_events(run_dir).items():
+        finished = [e for e in events if e["event"] == "recovery_finished"]
+        assert len(finished) == 5 and all(e["promoted"] in ("shadow", "cold") for e in finished), (rank, finished)
+    left = leftovers(LaunchedRun(0, "", run_dir, all_events(run_dir)))
+    assert not left, "; ".join(left)
