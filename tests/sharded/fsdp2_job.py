@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,17 +93,7 @@ def train(job: Job, rank: int) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(job.rendezvous, WORLD), rank=rank, world_size=WORLD)
     try:
         model, optimizer, schedule, bound, start = build(job)
-        losses, norms = [], []
-        for step in range(start, job.steps):
-            for x in batches(rank, step):
-                loss = model(x).pow(2).mean() / ACCUMULATE
-                loss.backward()
-                losses.append(loss.detach().clone())
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm.clone())
-            optimizer.step()  # retained: the binding's chunk transactions
-            optimizer.zero_grad()
-            schedule.step()
+        losses, norms = train_steps(model, optimizer, schedule, rank, start, job.steps)
         result = {"losses": losses, "norms": norms, **final_state(model, optimizer, bound)}
         torch.save(result, os.path.join(job.out_dir, f"r{rank}.pt"))
         dist.barrier()
@@ -110,39 +101,63 @@ def train(job: Job, rank: int) -> None:
         dist.destroy_process_group()
 
 
+def train_steps(model, optimizer, schedule, rank: int, start: int, stop: int) -> tuple[list, list]:
+    """Iterations ``[start, stop)``: accumulate, clip, step, zero, schedule. Returns the losses
+    and the gradient norms."""
+    losses, norms = [], []
+    for step in range(start, stop):
+        for x in batches(rank, step):
+            loss = model(x).pow(2).mean() / ACCUMULATE
+            loss.backward()
+            losses.append(loss.detach().clone())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm.clone())
+        optimizer.step()  # retained: the binding's chunk transactions
+        optimizer.zero_grad()
+        schedule.step()
+    return losses, norms
+
+
 def final_state(model, optimizer, bound: RetainedFSDP2 | None) -> dict:
-    """Local real rows of every param and of its AdamW state (the retained ones are padded
-    views: narrowed to the real rows, and their padding must be zero)."""
+    """Local real rows of every param and of its AdamW state. Bound, the optimizer shows the
+    same DTensor params and state as plain FSDP2 (views of the retained padded shards, whose
+    padding rows must be zero)."""
     params = [p for _, p in model.named_parameters()]
     out: dict = {"params": [p.to_local().clone() for p in params], "state": []}
+    for p in params:
+        st = optimizer.state[p]
+        out["state"].append({k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items()})
     if bound is None:
-        for p in params:
-            st = optimizer.state[p]
-            out["state"].append({k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items()})
         return out
-    data = bound.store.data
-    lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
-    out["in_store"] = all(lo <= p.to_local().data_ptr() < hi for p in params) and all(
-        lo <= p.grad.to_local().data_ptr() < hi for p in params)
-    out["padding_zero"] = True
-    out["iteration"] = bound.iteration
-    out["versions"] = bound.store.versions().tolist()
-    out["n_chunks"] = bound.store.layout.n_chunks
-    for p, alias in zip(params, (a for g in optimizer.param_groups for a in g["params"])):
-        rows = p.to_local().shape[0]
-        st = {}
-        for k, v in optimizer.state[alias].items():
-            if v.dim():
-                out["padding_zero"] &= bool((v[rows:] == 0).all())
-                v = v[:rows]
-            st[k] = v.clone()
-        out["padding_zero"] &= bool((alias.detach()[rows:] == 0).all())
-        out["state"].append(st)
+    out.update(retained_facts(model, optimizer, bound))
     return out
 
 
-def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
-    """Fork one child per rank running ``train``; reap every one by pid. Returns rank -> exit code.
+def retained_facts(model, optimizer, bound: RetainedFSDP2) -> dict:
+    """Where the bound tensors live, the padding rows, the store's progress."""
+    params = [p for _, p in model.named_parameters()]
+    data = bound.store.data
+    lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+    state = [v for p in params for k, v in optimizer.state[p].items() if k != "step"]
+    out: dict = {"in_store": all(lo <= t.to_local().data_ptr() < hi for t in (
+        *params, *(p.grad for p in params), *state))}
+    out["groups_hold_params"] = [q for g in optimizer.param_groups for q in g["params"]] == params
+    out["padding_zero"] = True
+    lay = bound.store.layout
+    for slot, p in zip(lay.params, params):
+        rows = p.to_local().shape[0]
+        for kind in lay.segments[slot.segment].kinds:
+            if kind != "grad":
+                out["padding_zero"] &= bool((bound.store.param_view(slot, kind)[rows:] == 0).all())
+    out["iteration"] = bound.iteration
+    out["versions"] = bound.store.versions().tolist()
+    out["n_chunks"] = lay.n_chunks
+    return out
+
+
+def run_ranks(job: Job, timeout: float = 90.0, target: Callable[[Job, int], None] | None = None) -> dict[int, int]:
+    """Fork one child per rank running ``target`` (``train``); reap every one by pid. Returns
+    rank -> exit code.
     When a rank dies by a signal, the others are SIGKILLed (they would wait for it in a collective)."""
     pids = {}
     for rank in range(WORLD):
@@ -150,7 +165,7 @@ def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
         if pid == 0:
             code = 0
             try:
-                train(job, rank)
+                (target or train)(job, rank)
             except BaseException:
                 traceback.print_exc()
                 code = 1

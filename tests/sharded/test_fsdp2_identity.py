@@ -33,7 +33,8 @@ def test_retained_fsdp2_bit_identical_to_plain_fsdp2(tmp_path, plain_fsdp2):
         unlink_segments(job_id)
     assert_same_state(plain_fsdp2, retained, "fault-free")
     for rank, (a, b) in enumerate(zip(plain_fsdp2, retained)):
-        assert b["in_store"], f"rank {rank}: a local shard or its gradient is not a view of the retained store"
+        assert b["in_store"], f"rank {rank}: a local shard, its gradient or its AdamW state is not a retained view"
+        assert b["groups_hold_params"], f"rank {rank}: the optimizer's param groups are not the model's DTensor params"
         assert b["padding_zero"], f"rank {rank}: the padding rows of a retained shard are not zero"
         assert b["iteration"] == STEPS and set(b["versions"]) == {STEPS}, f"rank {rank}: not {STEPS} transactions"
         assert all(n > MAX_NORM for n in a["norms"]), f"rank {rank}: clipping never clipped: {a['norms']}"

@@ -8,10 +8,12 @@ optimizer sees) has ``_local_tensor``, a view of its real rows. Every forward al
 params (the fp32 master copy), grads and optimizer state in the rank's store, and after a
 roll-forward nothing needs rebuilding: the next forward gathers from the retained shards.
 
-The optimizer is re-pointed too: its param groups get one plain *alias* parameter per
-``FSDPParam``, shaped like the padded local shard (``retained.shards``), so ``RetainedOptimizer``
-runs the update as chunk transactions over local memory only. An LR scheduler built on the
-optimizer keeps working (same param-group dicts). Gradient clipping with
+``RetainedOptimizer`` binds one plain *alias* parameter per ``FSDPParam``, shaped like the
+padded local shard (``retained.shards``), and runs the update as chunk transactions over local
+memory only. The optimizer itself then looks as under plain FSDP2 again (``updater.fsdp2_state``):
+its param groups hold the DTensor parameters and its state DTensor views of the retained state,
+so ``torch.distributed.checkpoint`` saves and loads from retained memory. An LR scheduler built
+on the optimizer keeps working. Gradient clipping with
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` runs on the DTensor gradients, which
 are views of the retained gradients, before ``step()`` (prepare).
 
@@ -22,7 +24,8 @@ torch versions in ``SUPPORTED_TORCH`` and fails naming the attribute when one is
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,8 +37,8 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, ParamSlot
 from ..retained.shards import LocalShard, shard_layout
 from ..retained.store import RetainedStore, StoreSpec
-from .retained_optimizer import RetainedOptimizer, encode_tier2, hyperparameters, optimizer_family
-from .transaction import ParityCodes
+from .fsdp2_state import Restore, RetainedShardState, detached_copy, encode_node_parity
+from .retained_optimizer import RetainedOptimizer, hyperparameters, optimizer_family
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))  # [low, high): the versions whose FSDP2 internals this was tested on
 # (owner, attribute): what this module reads or re-points.
@@ -115,21 +118,29 @@ def local_shard(fsdp_param: Any, name: str) -> LocalShard:
 class RetainedFSDP2:
     """An FSDP2 model's local shards and their optimizer, bound to one rank's retained store.
 
-    The optimizer's ``step`` and ``zero_grad`` become this object's (instance attributes, so the
-    training loop stays as it was): a step is a chunk transaction, and zeroing keeps every
-    gradient a retained view. Build LR schedulers after binding (they wrap ``step``)."""
+    The optimizer's ``step``, ``zero_grad`` and ``load_state_dict`` become this object's
+    (instance attributes, so the training loop stays as it was): a step is a chunk transaction,
+    zeroing keeps every gradient a retained view, loading copies into the retained views.
+    Build LR schedulers after binding (they wrap ``step``)."""
 
-    def __init__(self, ro: RetainedOptimizer, sharded: Sequence[tuple[torch.nn.Parameter, Any]]) -> None:
+    def __init__(self, model: torch.nn.Module, ro: RetainedOptimizer,
+                 sharded: Sequence[tuple[torch.nn.Parameter, Any]]) -> None:
+        self.model = model
         self.ro = ro
         self.optimizer = ro.optimizer
         self.store = ro.store
         self._sharded = list(sharded)  # (DTensor param, FSDPParam), in the optimizer's order
         self._grad_views = [self._real_rows(slot, GRAD) for slot in ro.layout.params]
         self._repoint()
+        self.state = RetainedShardState(ro, self._sharded, [v.shape[0] for v in self._grad_views])
+        self.state.expose()
+        model.register_load_state_dict_post_hook(self.state.model_loaded)
         # Methods bound to the optimizer (an LR scheduler re-binds the step it wraps to it).
-        self.optimizer._leto_fsdp2 = self  # type: ignore[attr-defined]
-        self.optimizer.step = types.MethodType(_optimizer_step, self.optimizer)  # type: ignore[method-assign]
-        self.optimizer.zero_grad = types.MethodType(_optimizer_zero_grad, self.optimizer)  # type: ignore[method-assign]
+        opt = self.optimizer
+        opt._leto_fsdp2 = self  # type: ignore[attr-defined]
+        opt.step = types.MethodType(_optimizer_step, opt)  # type: ignore[method-assign]
+        opt.zero_grad = types.MethodType(_optimizer_zero_grad, opt)  # type: ignore[method-assign]
+        opt.load_state_dict = types.MethodType(_optimizer_load_state_dict, opt)  # type: ignore[method-assign]
 
     def _real_rows(self, slot: ParamSlot, kind: str) -> torch.Tensor:
         fsdp_param = self._sharded[slot.index][1]
@@ -206,6 +217,56 @@ class RetainedFSDP2:
         for name in ("step", "zero_grad", "_leto_fsdp2"):
             self.optimizer.__dict__.pop(name, None)
 
+    # -- distributed checkpoints (torch.distributed.checkpoint) ---------------------------
+    def state_dict(self, copy: bool = False) -> dict[str, Any]:
+        """``{"model": ..., "optim": ...}`` as ``get_state_dict(model, optimizer)`` returns it
+        (DTensors keyed by FQN): views of retained memory, what ``dcp.save`` takes.
+        ``copy=True``: detached copies, e.g. to ``torch.save`` per rank (torch cannot pickle a
+        DTensor whose local tensor is a view at an offset, and a view would pickle its whole
+        retained segment)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        return detached_copy(state) if copy else state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, iteration: int | None = None,
+                        payload: object = None) -> None:
+        """Load a ``state_dict()``-shaped dict (e.g. filled by ``dcp.load``) into retained memory
+        and initialise the store from it (``Restore`` says what ``iteration`` defaults to)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        with self.restoring(iteration, payload):
+            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optim"])
+
+    def save_checkpoint(self, checkpoint_id: str) -> None:
+        """``dcp.save`` of ``state_dict()``: a directory plain FSDP2 + the same optimizer loads."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=checkpoint_id)
+
+    def load_checkpoint(self, checkpoint_id: str, *, iteration: int | None = None, payload: object = None) -> None:
+        """``dcp.load`` straight into the retained views, then the store initialised from them
+        (a checkpoint of plain FSDP2 with the same model and optimizer loads too)."""
+        import torch.distributed.checkpoint as dcp
+
+        with self.restoring(iteration, payload):
+            state = self.state_dict()
+            dcp.load(state, checkpoint_id=checkpoint_id)
+            self.load_state_dict(state)
+
+    @contextmanager
+    def restoring(self, iteration: int | None = None, payload: object = None) -> Iterator[Restore]:
+        """The block a checkpoint is loaded in (e.g. around Lightning's or Accelerate's loader):
+        the store is incomplete until it ends, then initialised once (``RetainedShardState``);
+        nested calls (``load_state_dict`` inside) join the outer block."""
+        if self.state.current is not None:
+            yield self.state.current
+            return
+        with self.state.restoring(iteration, payload) as restore:
+            yield restore
+
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     return optimizer._leto_fsdp2.step(closure)  # type: ignore[attr-defined]
@@ -213,6 +274,10 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any]
 
 def _optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     optimizer._leto_fsdp2.zero_grad(set_to_none)  # type: ignore[attr-defined]
+
+
+def _optimizer_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    optimizer._leto_fsdp2.state.load_optimizer_state(state_dict)  # type: ignore[attr-defined]
 
 
 def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -224,7 +289,7 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                  "and AdamW for now")
     if any(optimizer.state.values()):
         raise UsageError("bind FSDP2 shards to retained memory before the optimizer's first step (its state must "
-                         "still be empty)")
+                         "still be empty); load a checkpoint after binding: it loads into retained memory")
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise ConfigurationError("the model is wrapped in FullyShardedDataParallel (FSDP1, e.g. Lightning's "
                                  "strategy='fsdp'): retained sharded state needs FSDP2; shard with "
@@ -272,8 +337,8 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
                          "(attach_fsdp2), or free it (`leto cleanup`) to start over") from None
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
     ro.bind(adopt=False)
-    bound = RetainedFSDP2(ro, sharded)
-    _encode_node_parity(store, barrier)
+    bound = RetainedFSDP2(model, ro, sharded)
+    encode_node_parity(store, barrier)
     store.mark_complete()
     return bound
 
@@ -297,28 +362,9 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
                                  f"retained store of job {job_id!r} ({store.layout.describe()})")
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
     ro.bind(adopt=True, resume=resume)
-    bound = RetainedFSDP2(ro, sharded)
+    bound = RetainedFSDP2(model, ro, sharded)
     # The retained gradients are those of the last committed iteration (a rank killed mid-update
     # kept them for its roll-forward): the next iteration accumulates from zero.
     if resume:
         bound.zero_grad()
     return bound
-
-
-def _encode_node_parity(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
-    """Tier 2 spans the node's ranks: once every local rank is bound, local rank 0 encodes the
-    stripes from all of them (each rank keeps them current by deltas afterwards)."""
-    spec = store.spec
-    if not spec.tier2.enabled:
-        return
-    assert barrier is not None  # checked by create_fsdp2
-    barrier()
-    if spec.local_rank == 0:
-        first = spec.rank - spec.local_rank
-        peers = [RetainedStore.attach(spec.job_id, first + i) for i in range(1, spec.n_local)]
-        try:
-            encode_tier2([store, *peers], ParityCodes(store))
-        finally:
-            for peer in peers:
-                peer.close()
-    barrier()

@@ -1,0 +1,140 @@
+"""Distributed checkpoints of retained FSDP2 shards: ``torch.distributed.checkpoint`` saves from
+the retained views and loads into them, a restart from them (new processes, new job ids, fresh
+stores: no HOF) is bit-identical to the uninterrupted run, and the checkpoints interoperate with
+plain FSDP2 + AdamW both ways. Two gloo ranks forked from this process, per phase.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from leto_lightning.errors import IncompleteStoreError
+from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import run_in_child
+from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.repair import find_damage, verify_parity
+from leto_lightning.updater.transaction import ParityCodes
+
+from .fsdp2_dcp_job import RESTARTS, job_ids, restart, save
+from .fsdp2_job import ACCUMULATE, STEPS, WORLD, Job, run_ranks
+from .test_fsdp2_identity import assert_same_state
+
+SAVED_AT = 2  # iterations before the checkpoint; the restart trains STEPS - SAVED_AT more
+
+
+def _run(tmp_path, name: str, job: Job, target) -> list[dict]:
+    codes = run_ranks(job, target=target)
+    assert codes == dict.fromkeys(range(WORLD), 0), f"{name}: rank exit codes {codes}"
+    return [torch.load(tmp_path / f"{name}_r{r}.pt") for r in range(WORLD)]
+
+
+def _store_consistency(job_id: str) -> dict:
+    """Both ranks' stores as recovery would see them: damaged pages (checksums), parity groups
+    and tier-2 stripes that had to be re-encoded (none when the load re-initialised them)."""
+    stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
+    try:
+        codes = ParityCodes(stores[0])
+        groups, stripes = verify_parity(stores, codes.tier1, codes.tier2, include_grads=False)
+        return {"damaged": {r: find_damage(s, include_grads=False) for r, s in stores.items()},
+                "groups": groups, "stripes": stripes, "complete": [s.is_complete() for s in stores.values()]}
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Plain and bound runs to ``SAVED_AT``, each saved with ``dcp.save`` (and the bound one
+    pickled per rank); what every rank ended with."""
+    directory = tmp_path_factory.mktemp("fsdp2_dcp")
+    job = Job(rendezvous=str(directory / "save.rdzv"), out_dir=str(directory), steps=SAVED_AT, job_id=new_job_id())
+    try:
+        return directory, _run(directory, "save", job, save)
+    finally:
+        for job_id in job_ids(job).values():
+            unlink_segments(job_id)
+
+
+def _restart_job(directory: Path, tmp_path: Path, **kw) -> Job:
+    """New processes, new job ids (fresh stores) loading the checkpoints in ``directory``."""
+    return Job(rendezvous=str(tmp_path / "restart.rdzv"), out_dir=str(directory), steps=SAVED_AT,
+               job_id=new_job_id(), **kw)
+
+
+def test_dcp_restart_bit_identical_and_interoperates_with_plain_fsdp2(tmp_path, plain_fsdp2, checkpoints):
+    directory, saved = checkpoints
+    job = _restart_job(directory, tmp_path)
+    ids = job_ids(job)
+    try:
+        restarted = _run(directory, "restart", job, restart)
+        consistency = {name: run_in_child(lambda n=name: _store_consistency(ids[n]), timeout=60)
+                       for name, kind, _ in RESTARTS if kind == "retained"}
+    finally:
+        for job_id in ids.values():
+            unlink_segments(job_id)
+
+    # what was saved: the bound run equals the plain one at the checkpoint, read from retained views
+    plain_at, bound_at = [r["plain"] for r in saved], [r["retained"] for r in saved]
+    assert_same_state(plain_at, bound_at, f"bound vs plain at iteration {SAVED_AT}")
+    assert all(b["in_store"] and b["iteration"] == SAVED_AT for b in bound_at)
+
+    for name, kind, source in RESTARTS:
+        runs = [r[name] for r in restarted]
+        assert_same_state(plain_fsdp2, runs, f"{name}: restarted at {SAVED_AT} vs uninterrupted {STEPS}")
+        for rank, (uninterrupted, run) in enumerate(zip(plain_fsdp2, runs)):
+            tail = uninterrupted["losses"][SAVED_AT * ACCUMULATE:]
+            assert len(run["losses"]) == len(tail) > 0
+            assert all(torch.equal(x, y) for x, y in zip(tail, run["losses"])), f"{name}: rank {rank}: losses"
+            if kind != "retained":
+                continue
+            loaded = run["loaded"]  # right after the load: the store initialised from the checkpoint
+            assert loaded["complete"] and loaded["iteration"] == SAVED_AT, f"{name}: rank {rank}: {loaded}"
+            status, iteration, payload = loaded["record"]
+            assert (status, iteration) == ("committed", SAVED_AT - 1), f"{name}: rank {rank}: record {loaded}"
+            assert payload == ({"from": str(directory / source)} if name == "bound_from_bound" else None)
+            assert loaded["in_store"] and loaded["padding_zero"] and loaded["groups_hold_params"]
+            assert set(loaded["versions"]) == {SAVED_AT}
+            assert run["in_store"] and run["padding_zero"] and run["iteration"] == STEPS
+            assert set(run["versions"]) == {STEPS}
+    for name, check in consistency.items():
+        assert check.exit_code == 0, check
+        assert check.value == {"damaged": {0: [], 1: []}, "groups": {}, "stripes": [], "complete": [True, True]}, (
+            f"{name}: the store after the load and {STEPS - SAVED_AT} steps: {check.value}")
+
+
+def _recover_refused(job_id: str) -> tuple[list[bool], str]:
+    stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
+    complete = [s.is_complete() for s in stores.values()]
+    try:
+        recover_node(stores)
+        return complete, "recovered"
+    except IncompleteStoreError as exc:
+        return complete, f"IncompleteStoreError: {exc}"
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def test_rank_killed_while_loading_a_checkpoint_leaves_incomplete_stores(tmp_path, checkpoints):
+    """Rank 1 SIGKILLed once the checkpoint is in its retained views but before they are
+    protected again (rank 0 then killed as it waits): both stores stay incomplete, and recovery
+    refuses them (resume from the checkpoint again) instead of repairing the loaded pages back
+    to the new stores' initial values."""
+    job = _restart_job(checkpoints[0], tmp_path, kills=((1, "restore.loaded", 1),))
+    ids = job_ids(job)
+    try:
+        codes = run_ranks(job, target=restart)
+        assert codes[1] == -signal.SIGKILL, f"rank 1 was not killed while loading: exit codes {codes}"
+        verdict = run_in_child(lambda: _recover_refused(ids[RESTARTS[0][0]]), timeout=60)
+    finally:
+        for job_id in ids.values():
+            unlink_segments(job_id)
+    assert verdict.exit_code == 0, verdict
+    complete, refusal = verdict.value
+    assert complete == [False, False], f"stores marked complete while loading: {complete}"
+    assert refusal.startswith("IncompleteStoreError: rank 0") and "last checkpoint" in refusal, refusal
