@@ -1,7 +1,10 @@
 """ZeRO-1 through ``strategy="leto"``: a ``ZeroRedundancyOptimizer`` returned by
 ``configure_optimizers`` trains bit-identically to Lightning's ``"ddp"`` with the same optimizer
 (2 ranks started externally, forked; the tiny job of tests/lightning: dropout, BatchNorm,
-accumulation, clipping, a step and an epoch schedule, validation)."""
+accumulation, clipping, a step and an epoch schedule, validation); and an owner SIGKILLed
+between its commit and ZeRO's broadcast, the node's stores rolled forward by ``recover_node``,
+both ranks resumed in new processes (other seeds) with ``ckpt_path="leto://retained"``: the
+replicas come from the owners, bit-identical to the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -17,8 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lightning"))  #
 from pl_job import RunConfig, TinyModule, dataloaders, run_ranks, trainer_for
 
 import leto_lightning.integrations.lightning  # noqa: F401  (registers "leto")
-from leto_lightning.integrations.lightning import LetoStrategy
+from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
 from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.store import RetainedStore
+from leto_lightning.testing.crash import KillPoint
+from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.zero1 import COMMITTED_POINT
 
 CFG = dict(devices=2, max_epochs=2)
 
@@ -47,7 +55,7 @@ class _Binding(pl.Callback):
                          "owned_in_store": all(lo <= p.data_ptr() < hi for p in ro.params) and bool(ro.params)}
 
 
-def fit_zero(strategy: Any, seed: int) -> dict:
+def fit_zero(strategy: Any, seed: int, ckpt_path: str | None = None) -> dict:
     torch.set_num_threads(1)
     model = ZeroModule(seed=seed)
     trainer: pl.Trainer = trainer_for(RunConfig(strategy=strategy, seed=seed, **CFG))
@@ -55,7 +63,7 @@ def fit_zero(strategy: Any, seed: int) -> dict:
     trainer.callbacks.append(binding)  # type: ignore[attr-defined]
     train, val = dataloaders(own_sampler=False)
     torch.manual_seed(99)
-    trainer.fit(model, train, val)
+    trainer.fit(model, train, val, ckpt_path=ckpt_path)
     zero = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -65,20 +73,53 @@ def fit_zero(strategy: Any, seed: int) -> dict:
             "lr": [g["lr"] for g in zero.param_groups], "global_step": trainer.global_step, **binding.seen}
 
 
-def test_lightning_zero1_bit_identical_to_ddp_with_zero() -> None:
+def _leto(job: str) -> LetoStrategy:
+    return LetoStrategy(job_id=job, page_bytes=512, tier2_parity=1)
+
+
+@pytest.fixture(scope="module")
+def ddp() -> list[dict]:
+    return run_ranks(lambda rank: fit_zero("ddp", rank), world=2)
+
+
+def test_lightning_zero1_bit_identical_to_ddp_with_zero(ddp: list[dict]) -> None:
     job = new_job_id()
     try:
-        leto = run_ranks(lambda rank: fit_zero(LetoStrategy(job_id=job, page_bytes=512, tier2_parity=1), rank),
-                         world=2)
+        leto = run_ranks(lambda rank: fit_zero(_leto(job), rank), world=2)
     finally:
         unlink_segments(job)
-    ddp = run_ranks(lambda rank: fit_zero("ddp", rank), world=2)
     for rank in range(2):
-        a, b = ddp[rank], leto[rank]
-        assert a["global_step"] == b["global_step"] == 6 and a["lr"] == b["lr"]
-        assert b["binding"] == "RetainedZeRO1" and b["owned_in_store"] and b["versions"] == [6], f"rank {rank}: {b}"
-        assert [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])] == [], f"rank {rank}"
-        assert [n for n in a["buffers"] if not torch.equal(a["buffers"][n], b["buffers"][n])] == [], f"rank {rank}"
-        assert a["state"].keys() == b["state"].keys() and a["state"], f"rank {rank} owns {sorted(b['state'])}"
-        for name, st in a["state"].items():
-            assert all(torch.equal(v, b["state"][name][k]) for k, v in st.items()), f"rank {rank} {name}"
+        assert leto[rank]["binding"] == "RetainedZeRO1" and leto[rank]["owned_in_store"], f"rank {rank}"
+        assert leto[rank]["versions"] == [6], f"rank {rank}: {leto[rank]['versions']}"
+        assert_same(ddp[rank], leto[rank], f"rank {rank}")
+
+
+def test_owner_killed_before_broadcast_resumes_bit_identical(ddp: list[dict]) -> None:
+    job = new_job_id()
+    try:
+        # rank 0 committed iteration 3 (the first step of epoch 2) and dies before ZeRO's broadcast
+        crashed = run_ranks(lambda rank: fit_zero(_leto(job), rank), world=2, allow_failure=True, timeout=60,
+                            kill=(0, KillPoint(COMMITTED_POINT, 4)))
+        assert crashed == [None, None]
+        stores = {r: RetainedStore.attach(job, r) for r in range(2)}
+        try:
+            reports = recover_node(stores)
+        finally:
+            for store in stores.values():
+                store.close()
+        assert [reports[r].resume_iteration for r in range(2)] == [4, 4], reports
+        resumed = run_ranks(lambda rank: fit_zero(_leto(job), rank + 10, ckpt_path=RETAINED_CKPT), world=2)
+    finally:
+        unlink_segments(job)
+    for rank in range(2):
+        assert_same(ddp[rank], resumed[rank], f"rank {rank}")
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    """Bit-identical: params, BatchNorm buffers, the owned AdamW state, LR and step count."""
+    assert a["global_step"] == b["global_step"] == 6 and a["lr"] == b["lr"], what
+    assert [n for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])] == [], what
+    assert [n for n in a["buffers"] if not torch.equal(a["buffers"][n], b["buffers"][n])] == [], what
+    assert a["state"].keys() == b["state"].keys() and a["state"], f"{what} owns {sorted(b['state'])}"
+    for name, st in a["state"].items():
+        assert all(torch.equal(v, b["state"][name][k]) for k, v in st.items()), f"{what}: {name}"

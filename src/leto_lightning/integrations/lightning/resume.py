@@ -268,6 +268,20 @@ def scaler_after_step(state: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(state, scale=scale.item(), _growth_tracker=int(tracker.item()))
 
 
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``state_dict()``, but only the param groups of a ``ZeroRedundancyOptimizer``: its
+    ``state_dict()`` needs a collective consolidation first, and only the groups' settings move
+    here (``load_optimizer_state_dict``; the state tensors are the retained views already)."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        first = 0
+        groups = []
+        for group in optimizer.param_groups:
+            groups.append(dict(group, params=list(range(first, first + len(group["params"])))))
+            first += len(group["params"])
+        return {"state": {}, "param_groups": groups}
+    return optimizer.state_dict()
+
+
 def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
     """Set the hyper-parameters (lr, betas, ...) of ``optimizer``'s groups; never its params."""
     if len(groups) != len(optimizer.param_groups):
@@ -302,7 +316,7 @@ def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dic
     module = trainer.lightning_module
     state_dict = module.state_dict()
     optimizer = trainer.optimizers[0]
-    opt_state = optimizer.state_dict()
+    opt_state = _optimizer_state(optimizer)
     ckpt: dict[str, Any] = {
         "pytorch-lightning_version": pl.__version__,
         "epoch": trainer.current_epoch if payload is None else payload["epoch"],
