@@ -199,10 +199,12 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
 
 def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callable[[], None] | None = None,
                  payload_fn: Callable[[], object] | None = None,
-                 names: dict[torch.nn.Parameter, str] | None = None) -> RetainedZeRO1:
+                 names: dict[torch.nn.Parameter, str] | None = None, resume: bool = True) -> RetainedZeRO1:
     """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
     owned params, grads and optimizer state take its values, every replica is refreshed from
-    its owner, and training continues after the last committed iteration (``.iteration``)."""
+    its owner, and training continues after the last committed iteration (``.iteration``).
+    ``resume=False``: the caller calls ``resume()`` itself (an integration that does so for
+    every binding)."""
     check_zero1(zero)
     split = partition(zero, names)
     rank = dist.get_global_rank(zero.process_group, zero.rank)
@@ -214,7 +216,7 @@ def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callabl
                                  f"retained store of job {job_id!r} ({store.layout.describe()}): same model, "
                                  "optimizer, world size and RetainedConfig as the job that created it")
     bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
-    bound.bind(adopt=True)
+    bound.bind(adopt=True, resume=resume)
     bound.refresh_replicas()
     # The retained gradients are the last committed iteration's: the next one accumulates from zero.
     bound.zero_grad()

@@ -45,7 +45,7 @@ from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
 from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer
-from . import checkpoint, fsdp2
+from . import checkpoint, fsdp2, zero1
 from .binding import agreed_job_id, param_names
 from .binding import attach as attach_store
 from .binding import create as create_store
@@ -137,6 +137,8 @@ class LetoAccelerator(Accelerator):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         if device_placement is None:
             device_placement = self.device_placement
+        if zero1.is_zero1(optimizer):
+            device_placement = False  # ZeRO's state_dict() needs a collective first; its state is empty (zero1.py)
         prepared = LetoAcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
         self._optimizers.append(prepared)
         return prepared
@@ -187,7 +189,11 @@ class LetoAccelerator(Accelerator):
     def _bind(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
         """DDP (or one process): the full parameters and their optimizer state (binding.py)."""
         rollback, barrier = self.leto_config.rollback_window, self._barrier()
-        if continuing:
+        if zero1.is_zero1(prepared.optimizer):  # ZeRO-1: the params this rank owns (zero1.py)
+            ro: RetainedOptimizer = zero1.bind(prepared.optimizer, self.retained_config, job, self._ranks(),
+                                               continuing, barrier, self._payload, param_names(self._models),
+                                               under_launcher=self.runtime is not None, rollback_window=rollback)
+        elif continuing:
             ro = attach_store(prepared.optimizer, job, self.process_index, barrier, self._payload, rollback)
         else:
             ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),

@@ -79,6 +79,13 @@ def the_optimizer(optimizers: list) -> Any:
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ConfigurationError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the "
                                  f"closure once -- use another optimizer with {WHO}")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from ...updater.zero1 import check_zero1
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: the owned shard retained (zero1.py)
+        check_zero1(optimizer)  # parameters_as_bucket_view / overlap_with_ddp refused, naming the fix
+        return optimizers[0]
     if type(optimizer).__module__.startswith("torch.distributed"):
         raise ConfigurationError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; {WHO} "
                                  "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
