@@ -45,7 +45,7 @@ from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
 from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer
-from . import checkpoint, fsdp2, zero1
+from . import checkpoint, fallback, fsdp2, zero1
 from .binding import agreed_job_id, param_names
 from .binding import attach as attach_store
 from .binding import create as create_store
@@ -96,6 +96,8 @@ class LetoAccelerator(Accelerator):
         self._train_loader: Any = None
         self._leto_start_iteration = 0  # the retained iteration this process started at (checkpoint.py)
         self._leto_from_checkpoint = False  # the payload to resume from came from load_state, not a recovery
+        self._leto_fallback: tuple[int, str] | None = None  # (iteration, dir) to load after the fallback
+        self._leto_fallback_known = False  # looked up already (fallback.py; a collective, once)
         if self.runtime is None and os.environ.get("TORCHELASTIC_RUN_ID"):
             launch = per_rank.from_torchrun()
             per_rank.check_numbering(launch, WHO)
@@ -178,6 +180,8 @@ class LetoAccelerator(Accelerator):
             self._leto_payload = self.leto_fsdp2.resume() if self.leto_fsdp2 is not None else ro.resume()
         elif self.runtime is not None:
             self.runtime.store_ready()  # shadows may attach now
+            if fallback.starting_fresh():
+                fallback.forget(self.runtime.run_dir, self.process_index)
         else:
             atexit.register(_free, ro)  # no agent will free it
         prepared.bind_step(self._retained_step)
@@ -280,6 +284,9 @@ class LetoAccelerator(Accelerator):
         loaders start at the next batch; returns where the loop continues."""
         if self.retained is None:
             raise UsageError(f"{WHO}.leto_resume(): call it after accelerator.prepare(model, optimizer, ...)")
+        newest = self._fallback_checkpoint()
+        if newest is not None and not self._leto_from_checkpoint:
+            self.load_state(newest[1])  # the agent's checkpoint fallback: the newest save_state of this job
         if not self.leto_state.awaiting_resume:  # fresh (None), or resumed already (the same point)
             return self._leto_point
         self.leto_state.resumed()
@@ -304,6 +311,8 @@ class LetoAccelerator(Accelerator):
         with checkpoint.compact_saves(self):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         checkpoint.save(self, str(location))
+        if self.runtime is not None:  # the agent's checkpoint fallback loads the newest (fallback.py)
+            fallback.remember(self.runtime.run_dir, self.process_index, self.retained.iteration, str(location))
         return location
 
     @override
@@ -313,8 +322,23 @@ class LetoAccelerator(Accelerator):
         if self.retained is None:
             return super().load_state(input_dir, **kwargs)
         fsdp2.refuse_checkpoint(self.leto_fsdp2, "load_state")
+        newest = self._fallback_checkpoint()
+        if newest is not None and not self._leto_from_checkpoint:
+            log.info("%s: restarted by the agent's checkpoint fallback: loading %s (step %d, the newest checkpoint "
+                     "of this job) instead of %s", WHO, newest[1], newest[0], input_dir)
+            input_dir = newest[1]
         return checkpoint.load(self, input_dir, lambda where: super(LetoAccelerator, self).load_state(where, **kwargs),
                                strict=kwargs.get("strict", True))
+
+    def _fallback_checkpoint(self) -> tuple[int, str] | None:
+        """Restarted by the agent's checkpoint fallback: the newest checkpoint every rank saved in
+        this job (a collective, looked up once), else None."""
+        if not self._leto_fallback_known:
+            self._leto_fallback_known = True
+            if self.runtime is not None and fallback.restarting_from_checkpoint():
+                self._leto_fallback = fallback.newest_common(self.runtime.run_dir, self.process_index,
+                                                             self.num_processes)
+        return self._leto_fallback
 
     # -- trackers and the end -----------------------------------------------------------------
     @override
