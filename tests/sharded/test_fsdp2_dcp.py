@@ -138,3 +138,65 @@ def test_rank_killed_while_loading_a_checkpoint_leaves_incomplete_stores(tmp_pat
     complete, refusal = verdict.value
     assert complete == [False, False], f"stores marked complete while loading: {complete}"
     assert refusal.startswith("IncompleteStoreError: rank 0") and "last checkpoint" in refusal, refusal
+
+
+def _refusals() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leto_lightning.errors import LetoError
+    from leto_lightning.retained.config import RetainedConfig
+    from leto_lightning.updater.fsdp2 import create_fsdp2
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    job_id = new_job_id()
+    out: dict = {}
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for module in (model[0], model):
+            fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.AdamW(model.parameters())
+        bound = create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64, tier2_parity=0), job_id=job_id, rank=0)
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+
+        def attempt(what: str, load) -> None:
+            try:
+                load()
+                out[what] = "accepted"
+            except LetoError as exc:
+                out[what] = f"{type(exc).__name__}: {exc}"
+            out[f"{what} complete"] = bound.store.is_complete()
+
+        wrong = optimizer.state_dict()  # its per-param dicts are the optimizer's own (as in torch): copied
+        wrong["state"] = {pid: dict(values) for pid, values in wrong["state"].items()}
+        wrong["state"][0]["exp_avg"] = torch.zeros(5, 3)  # a full-size plain tensor, not this rank's shard
+        attempt("optimizer", lambda: optimizer.load_state_dict(wrong))
+        attempt("negative", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=-1))
+        attempt("good", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=7))
+        out["iteration"] = bound.iteration
+        # last: the model's parameters are replaced for good (the binding cannot be used after it)
+        attempt("assign", lambda: model.load_state_dict(bound.state_dict(copy=True)["model"], assign=True))
+    finally:
+        unlink_segments(job_id)
+        dist.destroy_process_group()
+    return out
+
+
+def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
+    """What the DCP binding refuses, each leaving the store incomplete (nothing recovery trusts):
+    a value that is not this rank's shard, a negative iteration, a load that replaces a shard;
+    a good load after a refusal initialises the store again."""
+    result = run_in_child(_refusals, timeout=60)
+    assert result.exit_code == 0, result
+    out = result.value
+    assert out["optimizer"].startswith("ConfigurationError: param 0.weight: loaded optimizer state 'exp_avg' has "
+                                       "local shape (5, 3), this rank's shard (4, 3)"), out["optimizer"]
+    assert "get_state_dict / set_state_dict" in out["optimizer"]
+    assert out["assign"].startswith("UsageError: param 0.weight: load_state_dict replaced the retained shard") and (
+        "assign=False" in out["assign"]), out["assign"]
+    assert out["negative"].startswith("ConfigurationError: iteration -1:"), out["negative"]
+    assert out["good"] == "accepted" and out["good complete"] is True and out["iteration"] == 7, out
+    assert not any(out[f"{what} complete"] for what in ("optimizer", "assign")), out
+    assert out["negative complete"] is False, out

@@ -93,32 +93,49 @@ class RetainedShardState:
 
     # -- loading --------------------------------------------------------------------------
     def load_optimizer_state(self, state_dict: Mapping[str, Any]) -> None:
-        """``optimizer.load_state_dict``: torch checks the groups and takes their settings; each
-        loaded value is copied into its retained view (the views stay the optimizer's state)."""
-        type(self.optimizer).load_state_dict(self.optimizer, dict(state_dict))  # the class's, not ours
-        loaded = self.optimizer.state
-        with torch.no_grad():
-            for i, (param, _) in enumerate(self._sharded):
-                self._copy_in(i, loaded.get(param, {}))
-        for (param, _), shown in zip(self._sharded, self._exposed):
-            loaded[param] = shown
+        """``optimizer.load_state_dict``: every value checked against this rank's shard first,
+        then torch checks the groups and takes their settings, and each value is copied into its
+        retained view (the views stay the optimizer's state, whatever happens)."""
+        if self._restore is None:
+            self.store.clear_complete()  # partly loaded until initialised: nothing recovery trusts
+        self._check_shapes(state_dict)
+        try:
+            type(self.optimizer).load_state_dict(self.optimizer, dict(state_dict))  # the class's, not ours
+            loaded = dict(self.optimizer.state)
+            with torch.no_grad():
+                for i, (param, _) in enumerate(self._sharded):
+                    self._copy_in(i, loaded.get(param, {}))
+        finally:
+            for (param, _), shown in zip(self._sharded, self._exposed):
+                self.optimizer.state[param] = shown
         self.values_changed()
 
+    def _check_shapes(self, state_dict: Mapping[str, Any]) -> None:
+        """Loaded values pair with params by position (as torch pairs them)."""
+        ids = [pid for group in state_dict.get("param_groups", ()) for pid in group.get("params", ())]
+        if len(ids) != len(self._sharded):
+            return  # torch refuses it, naming the groups
+        for i, pid in enumerate(ids):
+            values = state_dict.get("state", {}).get(pid, {})
+            slot, rows = self.ro.layout.params[i], self._rows[i]
+            for kind in self._kinds[i]:
+                value = values.get(kind)
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local is not None and (tuple(local.shape[:1]), tuple(local.shape[1:])) != ((rows,), slot.shape[1:]):
+                    raise ConfigurationError(
+                        f"param {slot.name}: loaded optimizer state {kind!r} has local shape {tuple(local.shape)}, "
+                        f"this rank's shard {(rows, *slot.shape[1:])}: load sharded state (DTensors, e.g. through "
+                        "torch.distributed.checkpoint's get_state_dict / set_state_dict)")
+
     def _copy_in(self, i: int, values: Mapping[str, Any]) -> None:
-        slot, rows = self.ro.layout.params[i], self._rows[i]
+        slot = self.ro.layout.params[i]
         for kind in self._kinds[i]:
-            view = self.store.param_view(slot, kind).narrow(0, 0, rows)
+            view = self.store.param_view(slot, kind).narrow(0, 0, self._rows[i])
             value = values.get(kind)
             if value is None:  # torch creates it at the first step: zeros until then
                 view.zero_()
-                continue
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if tuple(local.shape) != tuple(view.shape):
-                raise ConfigurationError(
-                    f"param {slot.name}: loaded optimizer state {kind!r} has local shape {tuple(local.shape)}, this "
-                    f"rank's shard {tuple(view.shape)}: load sharded state (DTensors, e.g. through "
-                    "torch.distributed.checkpoint's get_state_dict / set_state_dict)")
-            view.copy_(local)
+            else:
+                view.copy_(value.to_local() if isinstance(value, DTensor) else value)
         if self.ro.layout.family == "adam":
             step = values.get("step")
             self.store.steps[self._pieces[i]] = float(step) if step is not None else 0.0
@@ -131,8 +148,9 @@ class RetainedShardState:
         for slot, (param, fsdp_param) in zip(self.ro.layout.params, self._sharded):
             view = self.store.param_view(slot, PARAM)
             if fsdp_param.sharded_param is not param or fsdp_param._sharded_param_data.data_ptr() != view.data_ptr():
+                self.store.clear_complete()
                 raise UsageError(f"param {slot.name}: load_state_dict replaced the retained shard instead of copying "
-                                 "into it (assign=True?): load with assign=False, the default")
+                                 "into it (assign=True?): load with assign=False, the default, after binding")
         self.values_changed()
 
     def values_changed(self) -> None:
