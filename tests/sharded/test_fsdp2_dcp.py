@@ -20,6 +20,7 @@ from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.repair import find_damage, verify_parity
 from leto_lightning.updater.transaction import ParityCodes
 
+from .conftest import run_job
 from .fsdp2_dcp_job import RESTARTS, job_ids, restart, save
 from .fsdp2_job import ACCUMULATE, STEPS, WORLD, Job, run_ranks
 from .test_fsdp2_identity import assert_same_state
@@ -200,3 +201,36 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     assert out["good"] == "accepted" and out["good complete"] is True and out["iteration"] == 7, out
     assert not any(out[f"{what} complete"] for what in ("optimizer", "assign")), out
     assert out["negative complete"] is False, out
+
+
+def _roll_forward(job_id: str) -> dict[int, tuple[str, int]]:
+    stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
+    try:
+        return {r: (str(rep.status_found), rep.committed_iteration) for r, rep in recover_node(stores).items()}
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+@pytest.mark.slow  # LETO_LONG=1: the HOF path itself runs in CI (test_fsdp2_hof.py)
+def test_hof_right_after_a_dcp_restart_recovers_in_place_bit_identical(tmp_path, plain_fsdp2, checkpoints):
+    """A store initialised from a checkpoint is protected like a new one: rank 1 SIGKILLed in
+    the first update after the restart, the node rolled forward, new trainers attach and
+    continue: bit-identical to the uninterrupted run."""
+    job = _restart_job(checkpoints[0], tmp_path, kills=((1, "chunk.tier1_done", 1),))
+    job_id = job_ids(job)[RESTARTS[0][0]]
+    try:
+        codes = run_ranks(job, target=restart)
+        assert codes[1] == -signal.SIGKILL, f"rank 1 was not killed in its first update: exit codes {codes}"
+        recovery = run_in_child(lambda: _roll_forward(job_id), timeout=60)
+        assert recovery.exit_code == 0, recovery
+        assert recovery.value[1] == ("prepared", SAVED_AT), recovery.value
+        assert all(committed == SAVED_AT for _, committed in recovery.value.values()), recovery.value
+        continued = run_job(tmp_path, "continued", retained=True, job_id=job_id, attach=True)
+    finally:
+        for job_id_ in job_ids(job).values():
+            unlink_segments(job_id_)
+    assert_same_state(plain_fsdp2, continued, "HOF after a DCP restart")
+    for rank in range(WORLD):
+        tail = plain_fsdp2[rank]["losses"][(SAVED_AT + 1) * ACCUMULATE:]
+        assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"

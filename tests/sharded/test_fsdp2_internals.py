@@ -115,3 +115,18 @@ def test_untested_torch_refused_naming_the_range(version):
 
 def test_installed_torch_is_in_the_tested_range():
     check_torch_version()
+
+
+def test_dcp_calls_the_optimizers_own_load_state_dict():
+    """``set_state_dict`` / ``set_optimizer_state_dict`` must call the bound optimizer's instance
+    ``load_state_dict`` (updater.fsdp2_state copies into the retained views there); if torch's
+    DCP started calling the class's, loads would bypass the retained store."""
+    import torch
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    optimizer.load_state_dict = lambda state_dict: None  # type: ignore[method-assign]  # as the binding does
+    resolve = getattr(dcp_state_dict, "_state_dict_fn", None)
+    assert resolve is not None, "torch's DCP state_dict._state_dict_fn moved (adapt updater/fsdp2_state)"
+    assert resolve(optimizer, "load_state_dict") is optimizer.load_state_dict
+    assert resolve(optimizer, "state_dict") == optimizer.state_dict
