@@ -11,11 +11,14 @@ What it changes in ``Accelerator`` (each measured against Accelerate 1.15; docs/
   step, scaler and accumulation semantics, the innermost step a retained transaction;
 - ``prepare_data_loader`` -- the prepared loader gets its position (``loader.py``);
 - ``prepare`` -- once the optimizer's model is prepared (device placement, DDP wrap), binds
-  parameters, gradients and optimizer state to retained memory (``binding.py``);
+  parameters, gradients and optimizer state to retained memory (``binding.py``); with
+  Accelerate's FSDP2 plugin (enabled on CPU, ``fsdp2.py``) the local shards, through the core
+  FSDP2 binding;
 - ``leto_resume()`` -- after a recovery, puts back what ``save_state`` would plus the data
   position (``payload.py``) and returns where the loop continues;
 - ``save_state``/``load_state`` -- Accelerate's checkpoint plus the Leto payload; loading after
-  ``prepare()`` re-initialises the retained store from it (``checkpoint.py``);
+  ``prepare()`` re-initialises the retained store from it (``checkpoint.py``); after the agent's
+  checkpoint fallback, the newest checkpoint of the job is loaded (``fallback.py``);
 - ``init_trackers`` -- one wandb group per job; the main process logs the recovery metrics
   (``recovery_log.py``);
 - ``end_training`` -- also tells the agent the job finished (a crash during interpreter exit is
