@@ -241,6 +241,9 @@ class OptimizerConfig:
                  "must be in [0, 1]")
 
 
+TRAINER_STRATEGIES = ("leto", "leto_fsdp2")  # the Lightning strategy names of the integration
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """The subset of Lightning ``Trainer`` arguments a recipe fixes, plus the global seed."""
@@ -254,8 +257,11 @@ class TrainerConfig:
     val_check_interval: int = 0
     seed: int = 1234
     devices: int = 2
+    strategy: str = "leto"  # "leto" (DDP) or "leto_fsdp2" (FSDP2: fully_shard per block)
 
     def __post_init__(self) -> None:
+        _require(self.strategy in TRAINER_STRATEGIES, "trainer.strategy", self.strategy,
+                 f"must be one of {TRAINER_STRATEGIES}")
         _require(self.max_steps >= -1, "trainer.max_steps", self.max_steps, "must be >= -1")
         _require(self.max_epochs >= -1, "trainer.max_epochs", self.max_epochs, "must be >= -1")
         _require(self.precision in PRECISIONS, "trainer.precision", self.precision,

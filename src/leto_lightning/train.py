@@ -79,6 +79,9 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
         raise ConfigurationError(f"leto train runs data parallelism on CPU: {recipe.name} size={recipe.size} has "
                                  f"tp={par.tp}, pp={par.pp}; use size=tiny (or the simulator for full sizes: "
                                  f"leto simulate --recipe {recipe.name})")
+    if trainer == "accelerate" and recipe.trainer.strategy != "leto":
+        raise ConfigurationError(f"trainer.strategy={recipe.trainer.strategy!r} is a Lightning strategy: use it with "
+                                 "--trainer lightning (the default), or drop it for --trainer accelerate")
     run_dir = run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     usable_run_dir(run_dir)
     resolved = os.path.join(run_dir, "recipe.yaml")

@@ -126,18 +126,24 @@ def trainer_for(job: LightningJob) -> pl.Trainer:
                       callbacks=[Capture(job.out_dir)], num_sanity_val_steps=0)
 
 
-def train_rank(job: LightningJob, rank: int) -> None:
-    """One hand-started rank (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*), as a launcher would start it."""
+def as_rank(rank: int, port: int) -> None:
+    """This process becomes a hand-started rank (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*), as a
+    launcher would start it, with one intra-op thread."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), OMP_NUM_THREADS="1")
+                      NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+
+
+def train_rank(job: LightningJob, rank: int) -> None:
+    as_rank(rank, job.port)
     trainer = trainer_for(job)
     trainer.fit(ShardedTiny(os.path.join(job.out_dir, f"losses{rank}.txt"), bf16=job.bf16), loader())
     torch.distributed.destroy_process_group()
 
 
-def run_lightning_ranks(job: LightningJob, timeout: float = 120.0) -> dict[int, int]:
-    """Fork one child per rank; reap every one by pid (``fsdp2_job.reap``). rank -> exit code."""
+def run_lightning_ranks(job: Any, timeout: float = 120.0, train: Any = train_rank) -> dict[int, int]:
+    """Fork one child per rank running ``train(job, rank)``; reap every one by pid
+    (``fsdp2_job.reap``). Returns rank -> exit code."""
     from .fsdp2_job import reap
 
     pids = {}
@@ -146,7 +152,7 @@ def run_lightning_ranks(job: LightningJob, timeout: float = 120.0) -> dict[int, 
         if pid == 0:
             code = 0
             try:
-                train_rank(job, rank)
+                train(job, rank)
             except BaseException:
                 traceback.print_exc()
                 code = 1

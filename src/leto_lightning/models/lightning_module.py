@@ -15,6 +15,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from .config import ModelConfig, OptimizerConfig, RecipeConfig
 from .moe_transformer import MoETransformer, build_model
@@ -61,6 +62,19 @@ class MoELanguageModel(L.LightningModule):
         """Build the active size form with weights seeded by ``trainer.seed``."""
         return cls(recipe.active.model, recipe.optimizer, aux_loss_coef=aux_loss_coef,
                    max_steps=recipe.trainer.max_steps, init_seed=recipe.trainer.seed)
+
+    def configure_model(self) -> None:
+        """Under a sharding strategy (``strategy="leto_fsdp2"``, Lightning's
+        ``ModelParallelStrategy``): FSDP2 per transformer block, then the rest of the net (the
+        embedding, final norm and LM head) as the root group. Other strategies set no device
+        mesh: the model stays whole (DDP)."""
+        mesh = self._device_mesh
+        if mesh is None or isinstance(self.net, FSDPModule):  # not sharding, or sharded by an earlier fit
+            return
+        data_parallel = mesh["data_parallel"]
+        for block in self.net.blocks:
+            fully_shard(block, mesh=data_parallel)
+        fully_shard(self.net, mesh=data_parallel)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         return self.net(tokens)
