@@ -16,7 +16,7 @@ from leto_lightning.testing.launched import LaunchedRun, free_port, stop, wait_f
 
 
 class LaunchResult(LaunchedRun):
-    """A plain-PyTorch example's run (``examples/plain_ddp.py``)."""
+    """A plain-PyTorch example's run (``examples/plain_ddp.py``, ``examples/plain_fsdp2.py``)."""
 
     def losses(self, rank: int) -> dict[int, float]:
         """Loss per iteration; a recomputed iteration keeps its last value."""
@@ -27,10 +27,12 @@ class LaunchResult(LaunchedRun):
         return out
 
 
-def launch_args(run_dir: Path, iterations: int, faults=(), extra=(), script_args=(), nproc: int = 2) -> list[str]:
+def launch_args(run_dir: Path, iterations: int, faults=(), extra=(), script_args=(), nproc: int = 2,
+                script: str = PLAIN_DDP) -> list[str]:
+    """``leto launch`` of a plain-PyTorch example (``examples/plain_ddp.py`` unless ``script``)."""
     return [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", str(nproc),
             "--run-dir", str(run_dir), "--faults", json.dumps(list(faults)), *extra,
-            PLAIN_DDP, "--iterations", str(iterations), *script_args]
+            script, "--iterations", str(iterations), *script_args]
 
 
 def start(run_dir: Path, iterations: int, **kw) -> subprocess.Popen:

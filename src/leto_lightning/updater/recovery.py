@@ -87,7 +87,8 @@ class RecoveryReport:
         rep = self.repair
         return (
             f"rank {self.rank}: found {self.status_found}({self.iteration_found}); restored {len(self.restored)} "
-            f"in-flight chunk(s); repaired {rep.repaired if rep else 0} page(s), {len(self.metadata_repaired)} "
+            f"in-flight chunk(s); repaired {rep.repaired if rep else 0} page(s) "
+            f"({sum(len(v) for v in rep.tier2.values()) if rep else 0} by tier 2), {len(self.metadata_repaired)} "
             f"metadata item(s), parity of {len(self.reencoded_tier1)} group(s); rolled forward "
             f"{len(self.rolled_forward)} chunk(s);{' rolled back an open iteration;' if self.rolled_back else ''} "
             f"resume at iteration {self.resume_iteration}"
