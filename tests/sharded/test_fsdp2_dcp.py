@@ -73,8 +73,8 @@ def test_dcp_restart_bit_identical_and_interoperates_with_plain_fsdp2(tmp_path, 
     ids = job_ids(job)
     try:
         restarted = _run(directory, "restart", job, restart)
-        consistency = {name: run_in_child(lambda n=name: _store_consistency(ids[n]), timeout=60)
-                       for name, kind, _ in RESTARTS if kind == "retained"}
+        bound = [name for name, kind, _ in RESTARTS if kind == "retained"]
+        consistency = run_in_child(lambda: {name: _store_consistency(ids[name]) for name in bound}, timeout=60)
     finally:
         for job_id in ids.values():
             unlink_segments(job_id)
@@ -102,10 +102,11 @@ def test_dcp_restart_bit_identical_and_interoperates_with_plain_fsdp2(tmp_path, 
             assert set(loaded["versions"]) == {SAVED_AT}
             assert run["in_store"] and run["padding_zero"] and run["iteration"] == STEPS
             assert set(run["versions"]) == {STEPS}
-    for name, check in consistency.items():
-        assert check.exit_code == 0, check
-        assert check.value == {"damaged": {0: [], 1: []}, "groups": {}, "stripes": [], "complete": [True, True]}, (
-            f"{name}: the store after the load and {STEPS - SAVED_AT} steps: {check.value}")
+    assert consistency.exit_code == 0, consistency
+    assert isinstance(consistency.value, dict) and set(consistency.value) == set(bound), consistency
+    for name, check in consistency.value.items():
+        assert check == {"damaged": {0: [], 1: []}, "groups": {}, "stripes": [], "complete": [True, True]}, (
+            f"{name}: the store after the load and {STEPS - SAVED_AT} steps: {check}")
 
 
 def _recover_refused(job_id: str) -> tuple[list[bool], str]:
