@@ -149,17 +149,21 @@ def _refusals() -> dict:
 
     from leto_lightning.errors import LetoError
     from leto_lightning.retained.config import RetainedConfig
-    from leto_lightning.updater.fsdp2 import create_fsdp2
+    from leto_lightning.updater.fsdp2 import attach_fsdp2, create_fsdp2
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     job_id = new_job_id()
     out: dict = {}
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-        for module in (model[0], model):
-            fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
-        optimizer = torch.optim.AdamW(model.parameters())
-        bound = create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64, tier2_parity=0), job_id=job_id, rank=0)
+        def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+            for module in (model[0], model):
+                fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+            return model, torch.optim.AdamW(model.parameters())
+
+        model, optimizer = model_and_optimizer()
+        config = RetainedConfig(page_bytes=64, tier2_parity=0)
+        bound = create_fsdp2(model, optimizer, config, job_id=job_id, rank=0)
         model(torch.ones(2, 3)).sum().backward()
         optimizer.step()
 
@@ -176,6 +180,10 @@ def _refusals() -> dict:
         wrong["state"][0]["exp_avg"] = torch.zeros(5, 3)  # a full-size plain tensor, not this rank's shard
         attempt("optimizer", lambda: optimizer.load_state_dict(wrong))
         attempt("negative", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=-1))
+        other, other_optimizer = model_and_optimizer()  # the store is incomplete now: nothing to attach to
+        attempt("attach", lambda: attach_fsdp2(other, other_optimizer, job_id=job_id, rank=0))
+        attempt("create", lambda: create_fsdp2(other, other_optimizer, config, job_id=job_id, rank=0))
+        out["groups kept"] = [p for g in other_optimizer.param_groups for p in g["params"]] == list(other.parameters())
         attempt("good", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=7))
         out["iteration"] = bound.iteration
         # last: the model's parameters are replaced for good (the binding cannot be used after it)
@@ -189,7 +197,8 @@ def _refusals() -> dict:
 def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     """What the DCP binding refuses, each leaving the store incomplete (nothing recovery trusts):
     a value that is not this rank's shard, a negative iteration, a load that replaces a shard;
-    a good load after a refusal initialises the store again."""
+    a good load after a refusal initialises the store again. Binding another optimizer to the
+    store then (attach: incomplete; create: it exists) is refused and leaves its groups as they were."""
     result = run_in_child(_refusals, timeout=60)
     assert result.exit_code == 0, result
     out = result.value
@@ -199,6 +208,9 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     assert out["assign"].startswith("UsageError: param 0.weight: load_state_dict replaced the retained shard") and (
         "assign=False" in out["assign"]), out["assign"]
     assert out["negative"].startswith("ConfigurationError: iteration -1:"), out["negative"]
+    assert out["attach"].startswith("IncompleteStoreError: rank 0"), out["attach"]
+    assert out["create"].startswith("UsageError: retained memory of job") and "attach_fsdp2" in out["create"]
+    assert out["groups kept"], "a refused bind left the optimizer's param groups re-pointed"
     assert out["good"] == "accepted" and out["good complete"] is True and out["iteration"] == 7, out
     assert not any(out[f"{what} complete"] for what in ("optimizer", "assign")), out
     assert out["negative complete"] is False, out

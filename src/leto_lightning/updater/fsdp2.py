@@ -281,8 +281,9 @@ def _optimizer_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: Map
 
 
 def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              ) -> tuple[list[list[LocalShard]], list[tuple[torch.nn.Parameter, Any]]]:
-    """The local shards per param group, and the optimizer's params re-pointed at aliases."""
+              ) -> tuple[list[list[LocalShard]], list[tuple[torch.nn.Parameter, Any]], list[list[torch.nn.Parameter]]]:
+    """The local shards per param group, (DTensor param, FSDPParam) in the optimizer's order, and
+    per group the padded aliases the chunk transactions update (refusals change nothing)."""
     check_torch_version()
     if optimizer_family(optimizer) == "generic":
         raise ConfigurationError(f"{type(optimizer).__name__}: retained FSDP2 state supports torch.optim.SGD, Adam "
@@ -311,9 +312,29 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             aliases.append(torch.nn.Parameter(flat.view(shard.padded_shape), requires_grad=p.requires_grad))
         shards.append(members)
         aliased.append(aliases)
+    return shards, sharded, aliased
+
+
+def _bind_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RetainedStore,
+                binding: tuple[list[tuple[torch.nn.Parameter, Any]], list[list[torch.nn.Parameter]]],
+                barrier: Callable[[], None] | None, payload_fn: Callable[[], object] | None,
+                adopt: bool, resume: bool = True) -> RetainedFSDP2:
+    """``RetainedOptimizer`` over the padded aliases, bound; then the optimizer shows the DTensor
+    params again (``RetainedFSDP2``). A failure leaves the param groups as they were."""
+    sharded, aliased = binding
+    originals = [group["params"] for group in optimizer.param_groups]
     for group, aliases in zip(optimizer.param_groups, aliased):  # only once every param is known good
         group["params"] = aliases
-    return shards, sharded
+    try:
+        ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
+        ro.bind(adopt=adopt, resume=resume)
+        return RetainedFSDP2(model, ro, sharded)
+    except BaseException:
+        for group, params in zip(optimizer.param_groups, originals):
+            group["params"] = params
+        for alias in (a for aliases in aliased for a in aliases):
+            optimizer.state.pop(alias, None)
+        raise
 
 
 def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, *, job_id: str,
@@ -324,7 +345,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     and marked complete. ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
     config.check_devices(n_local)
     hparams = hyperparameters(optimizer)
-    shards, sharded = _bindable(model, optimizer)
+    shards, sharded, aliased = _bindable(model, optimizer)
     layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                           page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
@@ -335,9 +356,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     except FileExistsError:
         raise UsageError(f"retained memory of job {job_id!r} rank {rank} already exists: attach to it "
                          "(attach_fsdp2), or free it (`leto cleanup`) to start over") from None
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
-    ro.bind(adopt=False)
-    bound = RetainedFSDP2(model, ro, sharded)
+    bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False)
     encode_node_parity(store, barrier)
     store.mark_complete()
     return bound
@@ -352,7 +371,7 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
     ``resume=False``: views only, nothing written (a shadow binding while the active trainer
     still trains the same memory); call ``RetainedFSDP2.resume()`` once promoted."""
     hparams = hyperparameters(optimizer)
-    shards, sharded = _bindable(model, optimizer)
+    shards, sharded, aliased = _bindable(model, optimizer)
     store = RetainedStore.attach(job_id, rank)
     expected = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                             page_bytes=store.layout.page_bytes, chunk_pages=store.layout.chunk_pages)
@@ -360,9 +379,12 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
         store.close()
         raise ConfigurationError(f"rank {rank}: the model's local shards ({expected.describe()}) do not match the "
                                  f"retained store of job {job_id!r} ({store.layout.describe()})")
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
-    ro.bind(adopt=True, resume=resume)
-    bound = RetainedFSDP2(model, ro, sharded)
+    try:
+        bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=True,
+                            resume=resume)
+    except BaseException:  # e.g. IncompleteStoreError: nothing to adopt
+        store.close()
+        raise
     # The retained gradients are those of the last committed iteration (a rank killed mid-update
     # kept them for its roll-forward): the next iteration accumulates from zero.
     if resume:
