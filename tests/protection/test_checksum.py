@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import pytest
@@ -56,3 +57,16 @@ def test_rejects_bad_input():
 def test_cuda_pages_checksum_like_host():
     page = torch.randint(0, 256, (4097,), dtype=torch.uint8)
     assert checksum(page.cuda()) == checksum(page)
+
+
+@pytest.mark.skipif("crc64-ecma-refl" not in available_algorithms(), reason="libisal not loadable")
+def test_selected_crc64_kernel_equals_isal_dispatch():
+    """The kernel chosen for speed computes the same CRC as ISA-L's dispatched function (recorded
+    checksums stay comparable across machines), at every length and alignment tried."""
+    module = importlib.import_module("leto_lightning.protection.checksum")
+    dispatched = module._lib.crc64_ecma_refl
+    page = torch.randint(0, 256, ((1 << 20) + 77,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for start, n in [(0, 1 << 20), (5, 1 << 20), (1, 4095), (0, 129), (0, 1)]:
+        ptr = page.data_ptr() + start
+        assert module._crc64(0, ptr, n) == dispatched(0, ptr, n)
+        assert checksum(page[start : start + n]) == dispatched(0, ptr, n)

@@ -36,6 +36,17 @@ class ErasureEngine(abc.ABC):
         check_pages([dst, src], what="xor_into pages")
         dst.bitwise_xor_(src)
 
+    def xor_fold(self, dst: torch.Tensor, srcs: Sequence[torch.Tensor]) -> None:
+        """In place ``dst ^= srcs[0] ^ srcs[1] ^ ...`` (operands validated by the caller): the
+        delta of an all-ones parity row. Here one word-wide torch XOR per source."""
+        if all(t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 for t in (dst, *srcs)):
+            words = dst.view(-1).view(torch.int64)
+            for src in srcs:
+                words.bitwise_xor_(src.view(-1).view(torch.int64))
+            return
+        for src in srcs:
+            dst.bitwise_xor_(src)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
