@@ -5,9 +5,11 @@ Run as a script under ``accelerate launch --config_file configs/accelerate/leto-
 ``leto launch`` or ``torchrun``, or called in forked ranks (``main(argv)``). Uneven shards (the
 layers' dim 0, 5 and 3, do not divide by 2), a shuffled prepared loader, accumulation 2,
 ``accelerator.clip_grad_norm_`` on the DTensor gradients (every step clips), a prepared LR
-schedule. Each rank writes ``losses_rank<r>.jsonl`` (a row per optimizer step, written before
-``opt.step()``: a redone step writes the same row again) and ``final_rank<r>.pt`` (the local
-real rows of every parameter and of its AdamW state, the LR).
+schedule; ``--save-at``/``--stop-after``/``--load-state`` for a checkpoint restart (Accelerate's
+FSDP2 ``save_state``/``load_state``: a distributed checkpoint). Each rank writes
+``losses_rank<r>.jsonl`` (a row per optimizer step, written before ``opt.step()``: a redone
+step writes the same row again) and ``final_rank<r>.pt`` (the local real rows of every
+parameter and of its AdamW state, the LR).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=3)  # 4 optimizer steps per epoch
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-step (room for kills)")
+    p.add_argument("--save-at", type=int, default=0, help="save_state after this optimizer step")
+    p.add_argument("--stop-after", type=int, default=-1, help="stop after this optimizer step (a preemption)")
+    p.add_argument("--load-state", default=None, help="load_state(DIR) after prepare()")
     return p.parse_args(argv)
 
 
@@ -60,11 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=torch.Generator().manual_seed(1)))
     loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    if args.load_state:
+        acc.load_state(args.load_state)
     point = None if args.plain else acc.leto_resume()
     done = point.step if point is not None else 0
     rows = open(os.path.join(args.out, f"losses_rank{acc.process_index}.jsonl"), "a")
     window: list[float] = []
     for _epoch in range(point.epoch if point is not None else 0, args.epochs):
+        if done == args.stop_after:
+            break
         for (x,) in loader:
             with acc.accumulate(model):
                 loss = model(x).pow(2).mean()
@@ -80,8 +89,13 @@ def main(argv: list[str] | None = None) -> None:
                 sched.step()
                 opt.zero_grad()
                 done += acc.sync_gradients
+            if acc.sync_gradients and done == args.save_at:
+                acc.save_state(os.path.join(args.out, "checkpoints", f"step_{done}"))
+            if done == args.stop_after:
+                break
     rows.close()
-    torch.save(final_state(acc, model, opt), os.path.join(args.out, f"final_rank{acc.process_index}.pt"))
+    if done != args.stop_after:
+        torch.save(final_state(acc, model, opt), os.path.join(args.out, f"final_rank{acc.process_index}.pt"))
     acc.end_training()
 
 

@@ -4,6 +4,7 @@
   to plain ``accelerate.Accelerator`` with the same plugin (uneven shards, a shuffled loader,
   accumulation 2, ``clip_grad_norm_`` on DTensor gradients, a prepared schedule), the shards
   and their gradients views into the retained store.
+- ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
 - (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: five
   SIGKILLs in one run (inside an update, after a step, mid accumulation, both ranks at once
@@ -110,6 +111,21 @@ def test_fault_free_bit_identical_to_plain_accelerate_fsdp2(plain_accelerate_fsd
     assert final["iteration"] == len(rows(tmp_path, 0)) == 12
     norms = [r["norm"] for r in rows(tmp_path, 0).values()]
     assert all(n > acc_fsdp2_train.MAX_NORM for n in norms)  # every step clipped
+
+
+def test_save_state_then_load_state_in_a_new_job(plain_accelerate_fsdp2: Path, tmp_path) -> None:
+    """Accelerate's FSDP2 ``save_state`` (a distributed checkpoint read from the retained views)
+    after step 6, mid-epoch; the job stops. A new job (new processes, new stores) ``load_state``s
+    it into retained memory and finishes: bit-identical to the uninterrupted plain run."""
+    run_forked(tmp_path, "--save-at", "6", "--stop-after", "6")
+    assert not (tmp_path / "final_rank0.pt").exists() and len(rows(tmp_path, 0)) == 6
+    saved = tmp_path / "checkpoints" / "step_6"
+    assert {"leto_state_0.pt", "leto_state_1.pt"} <= {p.name for p in saved.iterdir()}
+    run_forked(tmp_path, "--load-state", str(saved))
+    assert differences(tmp_path, plain_accelerate_fsdp2) == []
+    lines = (tmp_path / "losses_rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(12))  # the new job began at step 6
+    assert torch.load(tmp_path / "final_rank1.pt", weights_only=False)["iteration"] == 12
 
 
 def test_fsdp1_and_offload_refused(monkeypatch) -> None:

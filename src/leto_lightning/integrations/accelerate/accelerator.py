@@ -310,9 +310,11 @@ class LetoAccelerator(Accelerator):
         """Accelerate's checkpoint plus this rank's Leto payload (``checkpoint.py``)."""
         if self.retained is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
-        fsdp2.refuse_checkpoint(self.leto_fsdp2, "save_state")
-        with checkpoint.compact_saves(self):
+        if self.leto_fsdp2 is not None:  # Accelerate's FSDP2 saver (DCP) reads the retained views itself
             location = super().save_state(output_dir, safe_serialization, **kwargs)
+        else:
+            with checkpoint.compact_saves(self):
+                location = super().save_state(output_dir, safe_serialization, **kwargs)
         checkpoint.save(self, str(location))
         if self.runtime is not None:  # the agent's checkpoint fallback loads the newest (fallback.py)
             fallback.remember(self.runtime.run_dir, self.process_index, self.retained.iteration, str(location))
@@ -324,14 +326,17 @@ class LetoAccelerator(Accelerator):
         ``leto_resume()`` says where to continue; a continuing one loads nothing (``checkpoint.py``)."""
         if self.retained is None:
             return super().load_state(input_dir, **kwargs)
-        fsdp2.refuse_checkpoint(self.leto_fsdp2, "load_state")
         newest = self._fallback_checkpoint()
         if newest is not None and not self._leto_from_checkpoint:
             log.info("%s: restarted by the agent's checkpoint fallback: loading %s (step %d, the newest checkpoint "
                      "of this job) instead of %s", WHO, newest[1], newest[0], input_dir)
             input_dir = newest[1]
-        return checkpoint.load(self, input_dir, lambda where: super(LetoAccelerator, self).load_state(where, **kwargs),
-                               strict=kwargs.get("strict", True))
+        def load_files(where: str | None) -> Any:
+            return super(LetoAccelerator, self).load_state(where, **kwargs)
+
+        if self.leto_fsdp2 is not None:
+            return checkpoint.load_fsdp2(self, self.leto_fsdp2, input_dir, load_files)
+        return checkpoint.load(self, input_dir, load_files, strict=kwargs.get("strict", True))
 
     def _fallback_checkpoint(self) -> tuple[int, str] | None:
         """Restarted by the agent's checkpoint fallback: the newest checkpoint every rank saved in

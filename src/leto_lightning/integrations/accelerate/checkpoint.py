@@ -175,34 +175,33 @@ def weights_into_retained(strict: bool) -> Callable[[list, str], None]:
     return load_weights
 
 
-def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callable[[str | None], Any],
-         strict: bool = True) -> Any:
-    """``load_state`` once bound (module doc); ``load_files``: Accelerate's own ``load_state``."""
-    ro = acc.retained
+def _loadable(acc: CheckpointedAccelerator, input_dir: str | None) -> bool:
+    """Whether ``load_state`` loads anything here (module doc); raises where it must not."""
     if acc._leto_from_checkpoint:
         raise UsageError("LetoAccelerator.load_state() twice: this process loaded a checkpoint already")
     if acc.leto_state.continuing:
         log.info("LetoAccelerator.load_state(%s): this process continues from retained memory, which is newer "
                  "than any checkpoint: nothing loaded", input_dir)
-        return None
-    if ro.iteration != acc._leto_start_iteration:
+        return False
+    if acc.retained.iteration != acc._leto_start_iteration:
         raise UsageError("LetoAccelerator.load_state() after an optimizer step: it would replace committed steps "
                          "-- call it after prepare() and before the training loop")
+    return True
+
+
+def _saved(acc: CheckpointedAccelerator, input_dir: str | None) -> tuple[str, dict | None]:
     directory = resolve(acc, input_dir)
-    saved = read(directory, acc.process_index) if directory and os.path.isdir(directory) else None
-    ro.store.clear_complete()  # weights are loaded into retained memory: incomplete until re-encoded
-    handle = acc.register_load_state_pre_hook(weights_into_retained(strict))
-    try:
-        result = load_files(input_dir)
-    finally:
-        handle.remove()
-    iteration = int(saved["iteration"]) if saved is not None else 0
-    payload = saved["payload"] if saved is not None else None
-    if payload is not None:  # a new job: its recoveries are its own; the checkpoint is the newest one
-        payload = dict(payload, recovery_log={"saved": iteration})
-    ro.bind(adopt=False, iteration=iteration, payload=payload)  # the new-store path: copy in, encode, commit
-    encode_node_parity(ro.store, acc._ranks(), acc._barrier())
-    ro.store.mark_complete()
+    return directory, read(directory, acc.process_index) if directory and os.path.isdir(directory) else None
+
+
+def _new_job_payload(saved: dict | None) -> object:
+    """The saved payload for a new job: its recoveries are its own; the checkpoint is the newest."""
+    if saved is None or saved["payload"] is None:
+        return None
+    return dict(saved["payload"], recovery_log={"saved": int(saved["iteration"])})
+
+
+def _loaded(acc: CheckpointedAccelerator, directory: str, iteration: int, payload: object) -> None:
     acc._leto_start_iteration = iteration
     if payload is not None:
         acc._leto_payload = payload
@@ -210,4 +209,40 @@ def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callab
         acc.leto_state.loaded()
     log.info("LetoAccelerator: loaded %s into retained memory at step %d%s", directory, iteration,
              "" if payload is not None else " (no Leto payload: the loop positions itself)")
+
+
+def load_fsdp2(acc: CheckpointedAccelerator, bound: Any, input_dir: str | None,
+               load_files: Callable[[str | None], Any]) -> Any:
+    """``load_state`` of local shards bound by ``updater.fsdp2``: Accelerate's own FSDP2 loader
+    (distributed checkpoint) writes into the retained views inside ``bound.restoring``, which
+    keeps the store incomplete until it is initialised once from the loaded values."""
+    if not _loadable(acc, input_dir):
+        return None
+    directory, saved = _saved(acc, input_dir)
+    payload = _new_job_payload(saved)
+    with bound.restoring(iteration=int(saved["iteration"]) if saved is not None else None, payload=payload):
+        result = load_files(input_dir)
+    _loaded(acc, directory, bound.iteration, payload)
+    return result
+
+
+def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callable[[str | None], Any],
+         strict: bool = True) -> Any:
+    """``load_state`` once bound (module doc); ``load_files``: Accelerate's own ``load_state``."""
+    ro = acc.retained
+    if not _loadable(acc, input_dir):
+        return None
+    directory, saved = _saved(acc, input_dir)
+    ro.store.clear_complete()  # weights are loaded into retained memory: incomplete until re-encoded
+    handle = acc.register_load_state_pre_hook(weights_into_retained(strict))
+    try:
+        result = load_files(input_dir)
+    finally:
+        handle.remove()
+    iteration = int(saved["iteration"]) if saved is not None else 0
+    payload = _new_job_payload(saved)
+    ro.bind(adopt=False, iteration=iteration, payload=payload)  # the new-store path: copy in, encode, commit
+    encode_node_parity(ro.store, acc._ranks(), acc._barrier())
+    ro.store.mark_complete()
+    _loaded(acc, directory, iteration, payload)
     return result

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigurationError, UsageError
+from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
 from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
 
@@ -114,10 +114,3 @@ def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Retai
                         payload_fn=payload_fn)
 
 
-
-def refuse_checkpoint(bound: RetainedFSDP2 | None, what: str) -> None:
-    """``save_state``/``load_state`` of a bound FSDP2 model: not wired to the retained shards yet."""
-    if bound is not None:
-        raise UsageError(f"{WHO}.{what}() with FSDP2: checkpoints of retained local shards are not supported by "
-                         f"{WHO} yet (in-place recovery is) -- for checkpoints, train with DDP (configs/accelerate/"
-                         "leto.yaml)")
