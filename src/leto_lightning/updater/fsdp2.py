@@ -260,9 +260,14 @@ class RetainedFSDP2:
     def restoring(self, iteration: int | None = None, payload: object = None) -> Iterator[Restore]:
         """The block a checkpoint is loaded in (e.g. around Lightning's or Accelerate's loader):
         the store is incomplete until it ends, then initialised once (``RetainedShardState``);
-        nested calls (``load_state_dict`` inside) join the outer block."""
-        if self.state.current is not None:
-            yield self.state.current
+        nested calls (``load_state_dict`` inside) join the outer block, setting what they name."""
+        current = self.state.current
+        if current is not None:
+            if iteration is not None:
+                current.iteration = iteration
+            if payload is not None:
+                current.payload = payload
+            yield current
             return
         with self.state.restoring(iteration, payload) as restore:
             yield restore
