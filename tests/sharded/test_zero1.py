@@ -6,6 +6,9 @@
   owner's params are stale): the stores rolled forward by ``recover_node`` in another process,
   new trainers refresh every replica from the owners' retained params, and continue
   bit-identically;
+- a rank killed as an update begins and every data page of its store overwritten (its owned
+  params and AdamW state have no other copy: nothing of them is replicated): rebuilt from the
+  node's tier-2 parity across the two ranks' unequal shares (one page map, ``retained.owned``);
 - the refusals: ``parameters_as_bucket_view=True``, ``overlap_with_ddp=True``.
 """
 
@@ -20,13 +23,16 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from leto_lightning.errors import ConfigurationError
 from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.retained.layout import GRAD
+from leto_lightning.retained.owned import owned_layout
 from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.spec import StoreSpec
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.zero1 import COMMITTED_POINT, create_zero1
 
-from .zero1_job import ACCUMULATE, STEPS, WORLD, Job, run_ranks
+from .zero1_job import ACCUMULATE, CONFIG, STEPS, WORLD, Job, errors, run_ranks
 
 CHUNKS = 2  # per rank and iteration: the widest share (rank 0's 30-element weight) in 16-element chunks
 
@@ -36,7 +42,7 @@ def run_job(directory, name: str, kinds: tuple[str, ...] = ("retained",), **kw) 
     out = directory / name
     out.mkdir()
     codes = run_ranks(Job(rendezvous=str(directory / f"{name}.rdzv"), out_dir=str(out), kinds=kinds, **kw))
-    assert codes == dict.fromkeys(range(WORLD), 0), f"{name}: rank exit codes {codes}"
+    assert codes == dict.fromkeys(range(WORLD), 0), f"{name}: rank exit codes {codes}\n{errors(str(out))}"
     return {kind: [torch.load(out / f"r{r}-{kind}.pt") for r in range(WORLD)] for kind in kinds}
 
 
@@ -84,10 +90,16 @@ def test_fault_free_bit_identical_to_zero_and_to_adamw(fault_free, plain_zero):
     assert sorted(retained[1]["state"]) == ["0.bias", "2.bias", "2.weight"]
 
 
-def _recover(job_id: str) -> list[tuple[int, str, int]]:
+def _recover(job_id: str, wipe_rank: int = -1) -> list[tuple[int, str, int, list[int]]]:
+    """``recover_node`` over the node's stores (after overwriting every data page of
+    ``wipe_rank``); per rank: status found, committed iteration, pages tier 2 rebuilt."""
     stores = {r: RetainedStore.attach(job_id, r) for r in range(WORLD)}
     try:
-        return [(r.rank, str(r.status_found), r.committed_iteration) for r in recover_node(stores).values()]
+        if wipe_rank >= 0:
+            stores[wipe_rank].pages.fill_(0x5A)
+        return [(r.rank, str(r.status_found), r.committed_iteration,
+                 sorted(r.repair.tier2.get(r.rank, [])) if r.repair is not None else [])
+                for r in recover_node(stores).values()]
     finally:
         for store in stores.values():
             store.close()
@@ -105,10 +117,10 @@ def test_owner_killed_before_broadcast_recovers_from_owners(tmp_path, plain_zero
         crashed.mkdir()
         codes = run_ranks(Job(rendezvous=str(tmp_path / "crashed.rdzv"), out_dir=str(crashed), kinds=("retained",),
                               job_id=job_id, kills=kills))
-        assert codes[kills[0][0]] == -signal.SIGKILL and 0 not in codes.values(), codes
+        assert codes[kills[0][0]] == -signal.SIGKILL and 0 not in codes.values(), f"{codes}\n{errors(str(crashed))}"
         recovery = run_in_child(lambda: _recover(job_id), timeout=60)
         assert recovery.exit_code == 0, recovery
-        assert {committed for _, _, committed in recovery.value} == {iteration}, recovery.value
+        assert {committed for _, _, committed, _ in recovery.value} == {iteration}, recovery.value
         continued = run_job(tmp_path, "continued", job_id=job_id, attach=True)["retained"]
     finally:
         unlink_segments(job_id)
@@ -117,6 +129,46 @@ def test_owner_killed_before_broadcast_recovers_from_owners(tmp_path, plain_zero
         tail = plain_zero[rank]["losses"][(iteration + 1) * ACCUMULATE:]
         assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"
         assert set(continued[rank]["versions"]) == {STEPS}
+
+
+def test_rank_store_overwritten_rebuilt_from_tier2(tmp_path, plain_zero):
+    job_id = new_job_id()
+    iteration = 2
+    try:
+        crashed = tmp_path / "crashed"
+        crashed.mkdir()
+        codes = run_ranks(Job(rendezvous=str(tmp_path / "crashed.rdzv"), out_dir=str(crashed), kinds=("retained",),
+                              job_id=job_id, kills=((1, "prepare.begin", iteration + 1),)))
+        assert codes[1] == -signal.SIGKILL, f"{codes}\n{errors(str(crashed))}"
+        recovery = run_in_child(lambda: _recover(job_id, wipe_rank=1), timeout=60)
+        assert recovery.exit_code == 0, recovery
+        found = {rank: (committed, tier2) for rank, _, committed, tier2 in recovery.value}
+        assert found[0][0] == found[1][0] == iteration - 1, found
+        store = RetainedStore.attach(job_id, 1)
+        try:
+            pages = [p for p, kind in enumerate(store.layout.page_kind) if kind != GRAD]
+        finally:
+            store.close()
+        assert found[1][1] and set(found[1][1]) <= set(pages), f"tier 2 rebuilt {found[1][1]} of {pages}"
+        continued = run_job(tmp_path, "continued", job_id=job_id, attach=True)["retained"]
+    finally:
+        unlink_segments(job_id)
+    assert_same(plain_zero, continued, "rank 1's store rebuilt from tier 2")
+
+
+def test_owned_layout_one_page_map_per_node():
+    """Unequal shares (and a rank owning nothing in a group) still give every rank the same
+    regions, so the node's tier-2 stripes line up; the slots are each rank's own."""
+    owned = [[[("w", (5, 6))], [("b", (5,))]], [[("v", (3, 5)), ("c", (3,))], []]]
+    options = [{"amsgrad": False}, {"amsgrad": False}]
+    layouts = [owned_layout(owned, r, dtype=torch.float32, family="adam", group_options=options, page_bytes=64)
+               for r in range(WORLD)]
+    assert layouts[0].regions == layouts[1].regions and layouts[0].n_pages == layouts[1].n_pages
+    assert [s.name for s in layouts[0].params] == ["w", "b"] and [s.name for s in layouts[1].params] == ["v", "c"]
+    assert [s.numel for s in layouts[1].segments] == [18, 0]  # rank 1's share; the region fits rank 0's 30
+    specs = [StoreSpec("j", r, 0, r, WORLD, layouts[r], CONFIG) for r in range(WORLD)]
+    assert (specs[0].tier2.page_stripe == specs[1].tier2.page_stripe).all()
+    assert specs[0].parity2_bytes() == specs[1].parity2_bytes()
 
 
 def test_bucket_view_and_overlap_refused(tmp_path):

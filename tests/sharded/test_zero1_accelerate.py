@@ -85,7 +85,7 @@ def run_forked(out: Path, job: str) -> dict[str, list[dict]]:
                     os.environ.pop(key, None)
                 os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                                   LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", **{JOB_ID: job})
-                for leto, port in zip((True, False), ports):  # end_training destroys the process group
+                for leto, port in zip((True, False), ports, strict=True):  # end_training destroys the process group
                     os.environ["MASTER_PORT"] = str(port)
                     train(out, leto)
             except BaseException:

@@ -121,6 +121,12 @@ def final_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, bound: R
     return out
 
 
+def errors(out_dir: str) -> str:
+    """The tracebacks of ranks that failed with an exception (``run_ranks`` writes them)."""
+    found = sorted(f for f in os.listdir(out_dir) if f.endswith(".err"))
+    return "".join(open(os.path.join(out_dir, f)).read() for f in found)
+
+
 def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
     """Fork one child per rank running ``train``; reap every one by pid (``fsdp2_job.reap``)."""
     pids = {}
@@ -132,6 +138,8 @@ def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
                 train(job, rank)
             except BaseException:
                 traceback.print_exc()
+                with open(os.path.join(job.out_dir, f"r{rank}.err"), "w") as f:  # for the test's message
+                    f.write(traceback.format_exc())
                 code = 1
             os._exit(code)
         pids[rank] = pid
