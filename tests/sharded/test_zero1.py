@@ -6,9 +6,9 @@
   owner's params are stale): the stores rolled forward by ``recover_node`` in another process,
   new trainers refresh every replica from the owners' retained params, and continue
   bit-identically;
-- a rank killed as an update begins and every data page of its store overwritten (its owned
-  params and AdamW state have no other copy: nothing of them is replicated): rebuilt from the
-  node's tier-2 parity across the two ranks' unequal shares (one page map, ``retained.owned``);
+- a rank killed as an update begins and every data page of its store overwritten (its AdamW
+  state has no other copy, and the peer's replicas of its params are not retained): rebuilt from
+  the node's tier-2 parity across the two ranks' unequal shares (one page map, ``retained.owned``);
 - the refusals: ``parameters_as_bucket_view=True``, ``overlap_with_ddp=True``.
 """
 
