@@ -247,3 +247,65 @@ def test_hof_right_after_a_dcp_restart_recovers_in_place_bit_identical(tmp_path,
     for rank in range(WORLD):
         tail = plain_fsdp2[rank]["losses"][(SAVED_AT + 1) * ACCUMULATE:]
         assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"
+
+
+def _families() -> dict[str, bool]:
+    """SGD (momentum, dampening, weight decay) and Adam (amsgrad) on one gloo rank: a state dict
+    taken after 2 of 3 steps, loaded plain -> bound, bound -> plain, bound -> bound; the third
+    step's params equal 3 plain steps'."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leto_lightning.retained.config import RetainedConfig
+    from leto_lightning.updater.fsdp2 import create_fsdp2
+    from leto_lightning.updater.fsdp2_state import detached_copy
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    job_ids_: list[str] = []
+
+    def make(bound: bool, optimizer_of) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for module in (model[0], model):
+            fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = optimizer_of(model.parameters())
+        if bound:
+            job_ids_.append(new_job_id())
+            create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64, tier2_parity=0), job_id=job_ids_[-1], rank=0)
+        return model, optimizer
+
+    def train(model, optimizer, first: int, stop: int) -> list[torch.Tensor]:
+        for i in range(first, stop):
+            model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.to_local().clone() for p in model.parameters()]
+
+    out = {}
+    try:
+        for name, optimizer_of in (
+                ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+                ("adam", lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True))):
+            reference = train(*make(False, optimizer_of), 0, 3)
+            for source, target in ((False, True), (True, False), (True, True)):
+                model, optimizer = make(source, optimizer_of)
+                train(model, optimizer, 0, 2)
+                state = detached_copy(get_state_dict(model, optimizer))
+                model, optimizer = make(target, optimizer_of)
+                set_state_dict(model, optimizer, model_state_dict=state[0], optim_state_dict=state[1])
+                final = train(model, optimizer, 2, 3)
+                kinds = "->".join("bound" if bound else "plain" for bound in (source, target))
+                out[f"{name} {kinds}"] = all(torch.equal(x, y) for x, y in zip(reference, final, strict=True))
+    finally:
+        for job_id in job_ids_:
+            unlink_segments(job_id)
+        dist.destroy_process_group()
+    return out
+
+
+def test_sgd_and_adam_amsgrad_state_dicts_interoperate_with_plain_fsdp2():
+    result = run_in_child(_families, timeout=60)
+    assert result.exit_code == 0, result
+    assert result.value and all(result.value.values()), result.value
