@@ -41,23 +41,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=0, help="save_state after this optimizer step")
     p.add_argument("--stop-after", type=int, default=-1, help="stop after this optimizer step (a preemption)")
     p.add_argument("--load-state", default=None, help="load_state(DIR) after prepare()")
+    p.add_argument("--bf16", action="store_true", help="mixed_precision='bf16' (FSDP2 param_dtype bf16)")
     return p.parse_args(argv)
 
 
-def build_accelerator(plain: bool) -> Any:
+def build_accelerator(plain: bool, bf16: bool) -> Any:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    common = dict(fsdp_plugin=plugin, gradient_accumulation_steps=ACCUMULATE, mixed_precision="bf16" if bf16 else "no")
     if plain:  # Accelerate's own FSDP2 path, enabled on CPU as LetoAccelerator does it
-        acc = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=ACCUMULATE)
+        acc = Accelerator(cpu=True, **common)
         fsdp2_on_cpu(acc, plugin)
         return acc
-    return LetoAccelerator(fsdp_plugin=plugin, gradient_accumulation_steps=ACCUMULATE, leto=LETO)
+    return LetoAccelerator(leto=LETO, **common)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    acc = build_accelerator(args.plain)
+    acc = build_accelerator(args.plain, args.bf16)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)

@@ -4,6 +4,7 @@
   to plain ``accelerate.Accelerator`` with the same plugin (uneven shards, a shuffled loader,
   accumulation 2, ``clip_grad_norm_`` on DTensor gradients, a prepared schedule), the shards
   and their gradients views into the retained store.
+- ``mixed_precision='bf16'``: bit-identical to plain, the retained master shards fp32.
 - ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
 - (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: five
@@ -111,6 +112,20 @@ def test_fault_free_bit_identical_to_plain_accelerate_fsdp2(plain_accelerate_fsd
     assert final["iteration"] == len(rows(tmp_path, 0)) == 12
     norms = [r["norm"] for r in rows(tmp_path, 0).values()]
     assert all(n > acc_fsdp2_train.MAX_NORM for n in norms)  # every step clipped
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_shards(tmp_path) -> None:
+    """``mixed_precision='bf16'`` (FSDP2 computes in bf16): bit-identical to plain Accelerate with
+    the same setting, the retained master shards and AdamW state fp32."""
+    reference, out = tmp_path / "plain", tmp_path / "leto"
+    run_forked(reference, "--plain", "--bf16", "--epochs", "1")
+    run_forked(out, "--bf16", "--epochs", "1")
+    assert differences(out, reference) == []
+    final = torch.load(out / "final_rank0.pt", weights_only=False)
+    assert {p.dtype for p in final["params"].values()} == {torch.float32}
+    assert {v.dtype for st in final["state"].values() for v in st.values()} == {torch.float32}
+    losses = [x for row in rows(out, 0).values() for x in row["losses"]]
+    assert all(torch.tensor(x).to(torch.bfloat16).item() == x for x in losses)  # computed in bf16
 
 
 def test_save_state_then_load_state_in_a_new_job(plain_accelerate_fsdp2: Path, tmp_path) -> None:

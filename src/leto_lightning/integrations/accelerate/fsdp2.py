@@ -105,12 +105,23 @@ def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Retai
          ranks: Mapping[str, int], continuing: bool, barrier: Callable[[], None] | None,
          payload_fn: Callable[[], object]) -> RetainedFSDP2:
     """The FSDP2-prepared model's local shards bound to this rank's store: a new store, or (a
-    continuation) the existing one's views, its values taken by ``RetainedFSDP2.resume()``."""
+    continuation) the existing one's views, its values taken by ``RetainedFSDP2.resume()``.
+
+    The torch optimizer's ``step`` attribute is put back as it was (an LR scheduler's wrapper):
+    ``LetoAcceleratedOptimizer`` calls the binding's step itself, as for DDP, and a scheduler
+    whose wrapper was replaced warns at every step."""
+    wrapped = optimizer.__dict__.get("step")
     if continuing:
-        return attach_fsdp2(model, optimizer, job_id=job_id, rank=ranks["rank"], barrier=barrier,
-                            payload_fn=payload_fn, resume=False)
-    return create_fsdp2(model, optimizer, config, job_id=job_id, rank=ranks["rank"], node=ranks["node"],
-                        local_rank=ranks["local_rank"], n_local=ranks["local_world_size"], barrier=barrier,
-                        payload_fn=payload_fn)
+        bound = attach_fsdp2(model, optimizer, job_id=job_id, rank=ranks["rank"], barrier=barrier,
+                             payload_fn=payload_fn, resume=False)
+    else:
+        bound = create_fsdp2(model, optimizer, config, job_id=job_id, rank=ranks["rank"], node=ranks["node"],
+                             local_rank=ranks["local_rank"], n_local=ranks["local_world_size"], barrier=barrier,
+                             payload_fn=payload_fn)
+    if wrapped is not None:
+        optimizer.step = wrapped  # type: ignore[method-assign]
+    else:
+        del optimizer.step
+    return bound
 
 
