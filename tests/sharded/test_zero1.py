@@ -6,7 +6,7 @@
   owner's params are stale): the stores rolled forward by ``recover_node`` in another process,
   new trainers refresh every replica from the owners' retained params, and continue
   bit-identically;
-- a rank killed as an update begins and every data page of its store overwritten (its AdamW
+- (slow) a rank killed as an update begins and every data page of its store overwritten (its AdamW
   state has no other copy, and the peer's replicas of its params are not retained): rebuilt from
   the node's tier-2 parity across the two ranks' unequal shares (one page map, ``retained.owned``);
 - the refusals: ``parameters_as_bucket_view=True``, ``overlap_with_ddp=True``.
@@ -48,12 +48,15 @@ def run_job(directory, name: str, kinds: tuple[str, ...] = ("retained",), **kw) 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory) -> dict[str, list[dict]]:
-    """DDP + ZeroRedundancyOptimizer(AdamW), DDP + AdamW and retained ZeRO-1, in the same ranks."""
+    """DDP + ZeroRedundancyOptimizer(AdamW), DDP + AdamW and retained ZeRO-1, and both ZeRO-1 kinds
+    with two param groups, in the same ranks (each retained run its own job)."""
     job_id = new_job_id()
     try:
-        return run_job(tmp_path_factory.mktemp("zero1"), "fault-free", ("zero", "adamw", "retained"), job_id=job_id)
+        return run_job(tmp_path_factory.mktemp("zero1"), "fault-free",
+                       ("zero", "adamw", "retained", "zero+groups", "retained+groups"), job_id=job_id)
     finally:
         unlink_segments(job_id)
+        unlink_segments(job_id + "g")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,18 @@ def test_fault_free_bit_identical_to_zero_and_to_adamw(fault_free, plain_zero):
                 assert all(torch.equal(v, retained[rank]["state"][name][k]) for k, v in st.items()), name
     assert sorted(retained[0]["state"]) == ["0.weight"]
     assert sorted(retained[1]["state"]) == ["0.bias", "2.bias", "2.weight"]
+
+
+def test_two_param_groups_bit_identical(fault_free):
+    """Weights with weight decay, biases without: rank 0 owns no bias (an empty segment in its
+    store, sized for rank 1's share so tier 2 lines up)."""
+    assert_same(fault_free["zero+groups"], fault_free["retained+groups"], "two param groups")
+    retained = fault_free["retained+groups"]
+    assert sorted(retained[0]["state"]) == ["0.weight"] and retained[0]["in_store"]
+    assert sorted(retained[1]["state"]) == ["0.bias", "2.bias", "2.weight"] and retained[1]["in_store"]
+    for rank in range(WORLD):
+        assert all(torch.equal(x, y) for x, y in zip(fault_free["zero+groups"][rank]["losses"],
+                                                     retained[rank]["losses"], strict=True)), f"rank {rank}"
 
 
 def _recover(job_id: str, wipe_rank: int = -1) -> list[tuple[int, str, int, list[int]]]:
@@ -131,6 +146,7 @@ def test_owner_killed_before_broadcast_recovers_from_owners(tmp_path, plain_zero
         assert set(continued[rank]["versions"]) == {STEPS}
 
 
+@pytest.mark.slow  # CI time: the layout that makes tier 2 line up is checked in CI (test_owned_layout_...)
 def test_rank_store_overwritten_rebuilt_from_tier2(tmp_path, plain_zero):
     job_id = new_job_id()
     iteration = 2

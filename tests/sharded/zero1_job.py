@@ -37,7 +37,9 @@ class Job:
     rendezvous: str  # FileStore path (no ports)
     out_dir: str
     steps: int = STEPS
-    kinds: tuple[str, ...] = ("zero",)  # run one after the other in the same ranks: "adamw" | "zero" | "retained"
+    # run one after the other in the same ranks: "adamw" | "zero" | "retained", and "zero+groups" /
+    # "retained+groups" (two param groups: weights with weight decay, biases without)
+    kinds: tuple[str, ...] = ("zero",)
     job_id: str = ""
     attach: bool = False  # re-bind to an existing (recovered) store and continue after its last commit
     kills: tuple[tuple[int, str, int], ...] = ()  # (rank, point, n): rank SIGKILLs itself at point's n-th occurrence
@@ -50,20 +52,29 @@ def build(job: Job, kind: str):
     model = DistributedDataParallel(net)
     names = {p: n for n, p in net.named_parameters()}
     bound: RetainedZeRO1 | None = None
+    params: list = list(model.parameters())
+    if kind.endswith("+groups"):  # ZeRO partitions group by group: rank 0 then owns nothing in the second
+        params = [{"params": [p for n, p in net.named_parameters() if n.endswith("weight")]},
+                  {"params": [p for n, p in net.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
     if kind == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
     else:
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
-    if kind == "retained" and job.attach:
-        bound = attach_zero1(optimizer, job_id=job.job_id, barrier=dist.barrier, names=names)
-    elif kind == "retained":
-        bound = create_zero1(optimizer, CONFIG, job_id=job.job_id, local_rank=dist.get_rank(), n_local=WORLD,
+        optimizer = ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    if kind.startswith("retained") and job.attach:
+        bound = attach_zero1(optimizer, job_id=job_of(job, kind), barrier=dist.barrier, names=names)
+    elif kind.startswith("retained"):
+        bound = create_zero1(optimizer, CONFIG, job_id=job_of(job, kind), local_rank=dist.get_rank(), n_local=WORLD,
                              barrier=dist.barrier, names=names)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     start = bound.iteration if bound is not None else 0
     for _ in range(start):  # a re-bound run: the schedule where the retained run left it
         schedule.step()
     return model, optimizer, schedule, bound, start
+
+
+def job_of(job: Job, kind: str) -> str:
+    """The retained job id of a kind: each retained kind of one run has its own stores."""
+    return job.job_id + ("g" if kind.endswith("+groups") else "")
 
 
 def batches(rank: int, step: int) -> list[torch.Tensor]:
