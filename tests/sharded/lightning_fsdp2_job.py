@@ -111,19 +111,26 @@ class LightningJob:
     job_id: str = ""
     port: int = 0
     bf16: bool = False
+    save_every: int = 0  # > 0: ModelCheckpoint every N steps into out_dir/ckpt (distributed checkpoints)
+    resume_from: str = ""  # fit(ckpt_path=...)
 
 
 def trainer_for(job: LightningJob) -> pl.Trainer:
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from leto_lightning.integrations.lightning.fsdp2_strategy import LetoModelParallelStrategy
 
     strategy = (LetoModelParallelStrategy(job_id=job.job_id or None, **PAGE) if job.leto else
                 ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1))
+    callbacks: list[pl.Callback] = [Capture(job.out_dir)]
+    if job.save_every:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(job.out_dir, "ckpt"), filename="{step}",
+                                         every_n_train_steps=job.save_every, save_top_k=-1))
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=job.steps,
                       accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[Capture(job.out_dir)], num_sanity_val_steps=0)
+                      enable_checkpointing=bool(job.save_every), enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
 
 
 def as_rank(rank: int, port: int) -> None:
@@ -137,7 +144,8 @@ def as_rank(rank: int, port: int) -> None:
 def train_rank(job: LightningJob, rank: int) -> None:
     as_rank(rank, job.port)
     trainer = trainer_for(job)
-    trainer.fit(ShardedTiny(os.path.join(job.out_dir, f"losses{rank}.txt"), bf16=job.bf16), loader())
+    module = ShardedTiny(os.path.join(job.out_dir, f"losses{rank}.txt"), bf16=job.bf16)
+    trainer.fit(module, loader(), ckpt_path=job.resume_from or None)
     torch.distributed.destroy_process_group()
 
 

@@ -69,3 +69,31 @@ def test_bf16_policy_master_shards_stay_fp32(tmp_path) -> None:
     plain, leto = run_pair(tmp_path, bf16=True)
     assert_identical(plain, leto)
     assert all(x.dtype == torch.bfloat16 for x in plain[0]["losses"]), "the policy did not compute in bf16"
+
+
+def test_checkpoint_restart_from_a_distributed_checkpoint_is_exact(tmp_path) -> None:
+    """``ModelCheckpoint`` saves distributed checkpoints from the retained views
+    (``ModelParallelStrategy``'s format) mid-epoch; a new job (a new store) resumes with
+    ``fit(ckpt_path=...)``, the file loading straight into its retained shards, and continues
+    exactly as ``ModelParallelStrategy`` trains without the restart: the same losses from the
+    restart on (the Leto payload in the file puts the data position back), shards and state.
+    (``ModelParallelStrategy``'s own restart does not: it replays the epoch's first batches.)"""
+    first, second = new_job_id(), new_job_id()
+    try:
+        run(tmp_path, "leto_a", steps=STEPS, leto=True, job_id=first, save_every=2)
+        ckpt = tmp_path / "leto_a" / "ckpt" / "step=2.ckpt"
+        assert ckpt.is_dir(), sorted(p.name for p in ckpt.parent.iterdir())  # a distributed checkpoint
+        restarted = run(tmp_path, "leto_b", steps=STEPS + 2, leto=True, job_id=second, resume_from=str(ckpt))
+    finally:
+        unlink_segments(first)
+        unlink_segments(second)
+    whole = run(tmp_path, "plain", steps=STEPS + 2, leto=False)
+    for rank, (a, b) in enumerate(zip(whole, restarted)):
+        assert a["global_step"] == b["global_step"] == b["iteration"] == STEPS + 2 and b["in_store"]
+        after = a["losses"][2 * ACCUMULATE:]  # steps 3.. of the run without a restart
+        assert len(b["losses"]) == len(after) == STEPS * ACCUMULATE
+        assert all(torch.equal(x, y) for x, y in zip(after, b["losses"], strict=True)), f"rank {rank}: losses"
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True)), f"rank {rank}: params"
+        for x, y in zip(a["state"], b["state"], strict=True):
+            assert all(torch.equal(x[k], y[k]) for k in x), f"rank {rank}: AdamW state"
+        assert a["lr"] == b["lr"]

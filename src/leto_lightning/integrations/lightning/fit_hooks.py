@@ -34,7 +34,7 @@ from ...updater.retained_optimizer import RetainedOptimizer
 from .callback import LetoLoopStateCallback
 from .data import ResumableDataLoader
 from .environment import LetoEnvironment, under_leto_launch
-from .fit_state import FitState
+from .fit_state import FitMode, FitState
 from .frozen import FrozenPayload
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
@@ -80,6 +80,8 @@ class LetoHost(Protocol):
     def set_world_ranks(self) -> None: ...
 
     def _get_process_group_backend(self) -> str: ...
+
+    def release(self, unlink: bool = False) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +290,31 @@ def retained_ckpt_path(host: LetoHost, ckpt_path: Any) -> Any:
         host.env_resume_used = True  # a shadow's first fit; later fits start normally
         return RETAINED_CKPT
     return ckpt_path
+
+
+def begin_fit(host: LetoHost, ckpt_path: Any, trainer: pl.Trainer | None) -> Any:
+    """Decide (in the launcher, before Lightning resolves ``ckpt_path``) whether this fit
+    continues from retained memory, from a checkpoint file, or starts fresh; returns the
+    ckpt_path Lightning should see. A file ("last", "best", a path) is resolved here exactly as
+    Lightning resolves it, so the strategy loads the file Lightning will restore the loops from."""
+    ckpt_path = retained_ckpt_path(host, ckpt_path)
+    from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
+    ckpt_file = None
+    if ckpt_path is not None and not from_retained and trainer is not None:
+        ckpt_path = ckpt_file = trainer._checkpoint_connector._select_ckpt_path(
+            TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
+    if from_retained:
+        host.fit_state.begin(FitMode.SHADOW if host.runtime is not None else FitMode.FROM_RETAINED)
+    else:
+        host.fit_state.begin(FitMode.FROM_FILE if ckpt_file is not None else FitMode.FRESH, ckpt_file)
+    if host.retained is not None and not from_retained:
+        host.release(unlink=True)  # a new fit in this process: a fresh store
+    return ckpt_path
+
+
+def file_payload(checkpoint: dict[str, Any]) -> Any:
+    """The Leto resume payload a checkpoint file carries (``LetoLoopStateCallback``), or None."""
+    return (checkpoint.get("callbacks", {}).get("LetoLoopStateCallback") or {}).get("payload")
 
 
 # -- the end of a fit ----------------------------------------------------------------------

@@ -42,9 +42,11 @@ from .checks import check_sharded_model, check_sharded_trainer, the_optimizer
 from .data import ResumableDataLoader
 from .fit_hooks import (
     agreed_new_job_id,
+    begin_fit,
     check_retained_resume,
     checkpoint_saved,
     fault_point,
+    file_payload,
     init_session_group,
     install_loop_state,
     leto_settings,
@@ -55,7 +57,6 @@ from .fit_hooks import (
     record_payload,
     release,
     resume_can_follow,
-    retained_ckpt_path,
     retained_step,
     train_batch_start,
     train_end,
@@ -63,6 +64,7 @@ from .fit_hooks import (
     wrap_train_loader,
 )
 from .fit_state import FitMode, FitState
+from .frozen import FrozenPayload
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT
@@ -150,7 +152,9 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return True  # the retained checkpoint's hyper-parameters (lr, ...): load_optimizer_state_dict
+        """A checkpoint built from a Leto payload carries the hyper-parameters (lr, ...) to apply
+        (``load_optimizer_state_dict``); a plain distributed checkpoint loaded them itself."""
+        return self.fit_state.mode.from_retained_memory or self.resume_payload is not None
 
     @override
     def _configure_launcher(self) -> None:
@@ -273,23 +277,26 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
         checkpoint_saved(self, checkpoint, self.is_global_zero)
 
     @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.retained is not None and real_optimizer(optimizer) is self.retained.optimizer:
-            raise ConfigurationError(f"{type(self).__name__}: checkpoint files of retained FSDP2 shards are not "
-                                     "supported yet (in-place recovery needs none); Trainer(enable_checkpointing="
-                                     "False), or strategy=ModelParallelStrategy() for checkpointed runs")
-        return super().optimizer_state(optimizer)
-
-    @override
     def process_dataloader(self, dataloader: object) -> object:
         return wrap_train_loader(self, super().process_dataloader(dataloader))
 
     # -- resume --------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if str(checkpoint_path) != RETAINED_CKPT:
+        if str(checkpoint_path) == RETAINED_CKPT:
+            check_retained_resume(self)
+            return payload_checkpoint(self)
+        if self.sharded is None or str(checkpoint_path) != str(self.fit_state.ckpt_file):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        check_retained_resume(self)
+        # fit(ckpt_path=<file>): the distributed checkpoint loads straight into the new store's
+        # views, which is then initialised once at the file's step with its Leto payload
+        with self.sharded.restoring() as restore:
+            ckpt = super().load_checkpoint(checkpoint_path, weights_only)
+            self.resume_payload = file_payload(ckpt)
+            restore.iteration = int(ckpt.get("global_step", 0))
+            restore.payload = None if self.resume_payload is None else FrozenPayload(self.resume_payload)
+        if self.resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
+            return ckpt
         return payload_checkpoint(self)
 
     @override
@@ -310,21 +317,9 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
                 apply_param_groups(optimizer, state["param_groups"])
 
     def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: pl.Trainer | None = None) -> Any:
-        """As ``LetoStrategy.resolve_fit_ckpt_path``, from retained memory only: a checkpoint
-        file cannot move into retained FSDP2 shards yet."""
-        ckpt_path = retained_ckpt_path(self, ckpt_path)
-        from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
-        if ckpt_path is not None and not from_retained:
-            raise ConfigurationError(f"ckpt_path={ckpt_path!r}: {type(self).__name__} resumes from retained memory "
-                                     f"only (ckpt_path={RETAINED_CKPT!r} or in-place recovery under leto launch); "
-                                     "checkpoint files of retained FSDP2 shards are not supported yet")
-        if from_retained:
-            self.fit_state.begin(FitMode.SHADOW if self.runtime is not None else FitMode.FROM_RETAINED)
-        else:
-            self.fit_state.begin(FitMode.FRESH)
-        if self.retained is not None and not from_retained:
-            self.release(unlink=True)  # a new fit in this process: a fresh store
-        return ckpt_path
+        """As ``LetoStrategy.resolve_fit_ckpt_path`` (``fit_hooks.begin_fit``); a checkpoint file is
+        a distributed checkpoint (``ModelParallelStrategy``'s format), loaded into a new store."""
+        return begin_fit(self, ckpt_path, trainer)
 
     # -- the end -------------------------------------------------------------------------------
     @override

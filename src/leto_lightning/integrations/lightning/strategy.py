@@ -44,9 +44,11 @@ from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
 from .fit_hooks import (
     agreed_new_job_id,
+    begin_fit,
     check_retained_resume,
     checkpoint_saved,
     fault_point,
+    file_payload,
     init_session_group,
     install_loop_state,
     leto_settings,
@@ -57,7 +59,6 @@ from .fit_hooks import (
     record_payload,
     release,
     resume_can_follow,
-    retained_ckpt_path,
     retained_step,
     train_batch_start,
     train_end,
@@ -281,8 +282,7 @@ class LetoStrategy(DDPStrategy):
         optimizer.load_state_dict(ckpt["optimizer_states"][0])
         ckpt["leto_file"] = str(path)
         self._file_checkpoint = ckpt
-        payload = (ckpt.get("callbacks", {}).get("LetoLoopStateCallback") or {}).get("payload")
-        return int(ckpt.get("global_step", 0)), payload
+        return int(ckpt.get("global_step", 0)), file_payload(ckpt)
 
     def _encode_node_parity(self, store: RetainedStore) -> None:
         """Tier 2 spans the node's ranks: once every local rank has bound its store, local rank
@@ -436,19 +436,7 @@ class LetoStrategy(DDPStrategy):
         ``ckpt_path`` the script passes (a script that always says ``ckpt_path="last"`` works).
         A file ("last", "best", a path) is resolved here exactly as Lightning resolves it, so
         ``configure_ddp`` loads the file Lightning will restore the loops from."""
-        ckpt_path = retained_ckpt_path(self, ckpt_path)
-        from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
-        ckpt_file = None
-        if ckpt_path is not None and not from_retained and trainer is not None:
-            ckpt_path = ckpt_file = trainer._checkpoint_connector._select_ckpt_path(
-                TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
-        if from_retained:
-            self.fit_state.begin(FitMode.SHADOW if self.runtime is not None else FitMode.FROM_RETAINED)
-        else:
-            self.fit_state.begin(FitMode.FROM_FILE if ckpt_file is not None else FitMode.FRESH, ckpt_file)
-        if self.retained is not None and not from_retained:
-            self.release(unlink=True)  # a new fit in this process: a fresh store
-        return ckpt_path
+        return begin_fit(self, ckpt_path, trainer)
 
 
 def _create_store(spec: StoreSpec) -> RetainedStore:
