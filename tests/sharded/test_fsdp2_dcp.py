@@ -186,6 +186,11 @@ def _refusals() -> dict:
         out["groups kept"] = [p for g in other_optimizer.param_groups for p in g["params"]] == list(other.parameters())
         attempt("good", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=7))
         out["iteration"] = bound.iteration
+        shadow_model, shadow_optimizer = model_and_optimizer()
+        shadow = attach_fsdp2(shadow_model, shadow_optimizer, job_id=job_id, rank=0, resume=False)  # views only
+        attempt("shadow", lambda: shadow_model.load_state_dict(bound.state_dict(copy=True)["model"]))
+        attempt("shadow optimizer", lambda: shadow_optimizer.load_state_dict(shadow_optimizer.state_dict()))
+        shadow.store.close()
         # last: the model's parameters are replaced for good (the binding cannot be used after it)
         attempt("assign", lambda: model.load_state_dict(bound.state_dict(copy=True)["model"], assign=True))
     finally:
@@ -198,7 +203,8 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     """What the DCP binding refuses, each leaving the store incomplete (nothing recovery trusts):
     a value that is not this rank's shard, a negative iteration, a load that replaces a shard;
     a good load after a refusal initialises the store again. Binding another optimizer to the
-    store then (attach: incomplete; create: it exists) is refused and leaves its groups as they were."""
+    store then (attach: incomplete; create: it exists) is refused and leaves its groups as they were;
+    a shadow's views (attach_fsdp2(resume=False)) refuse every load before writing anything."""
     result = run_in_child(_refusals, timeout=60)
     assert result.exit_code == 0, result
     out = result.value
@@ -211,6 +217,9 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     assert out["attach"].startswith("IncompleteStoreError: rank 0"), out["attach"]
     assert out["create"].startswith("UsageError: retained memory of job") and "attach_fsdp2" in out["create"]
     assert out["groups kept"], "a refused bind left the optimizer's param groups re-pointed"
+    for what in ("shadow", "shadow optimizer"):  # the active's store stays complete: nothing was written
+        assert out[what].startswith("UsageError:") and "a shadow's views" in out[what], out[what]
+        assert out[f"{what} complete"] is True, out
     assert out["good"] == "accepted" and out["good complete"] is True and out["iteration"] == 7, out
     assert not any(out[f"{what} complete"] for what in ("optimizer", "assign")), out
     assert out["negative complete"] is False, out

@@ -134,6 +134,7 @@ class RetainedFSDP2:
         self._repoint()
         self.state = RetainedShardState(ro, self._sharded, [v.shape[0] for v in self._grad_views])
         self.state.expose()
+        model.register_load_state_dict_pre_hook(self.state.model_loading)
         model.register_load_state_dict_post_hook(self.state.model_loaded)
         # Methods bound to the optimizer (an LR scheduler re-binds the step it wraps to it).
         opt = self.optimizer
@@ -169,6 +170,7 @@ class RetainedFSDP2:
         """Once promoted (after ``attach_fsdp2(..., resume=False)``): continue after the last
         committed iteration with zeroed gradients. Returns the committed resume payload."""
         payload = self.ro.resume()
+        self.state.read_only = False
         self.zero_grad()
         return payload
 
@@ -394,4 +396,6 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
     # kept them for its roll-forward): the next iteration accumulates from zero.
     if resume:
         bound.zero_grad()
+    else:
+        bound.state.read_only = True  # a shadow: never writes the active trainer's memory
     return bound

@@ -64,6 +64,7 @@ class RetainedShardState:
         self._pieces = [self._pieces_of(s) for s in lay.params]
         self._exposed: list[dict[str, torch.Tensor]] = []
         self._restore: Restore | None = None  # inside restoring(): initialised once at its end
+        self.read_only = False  # a shadow's views (attach_fsdp2(resume=False)) until it resumes
 
     def _pieces_of(self, slot: ParamSlot) -> list[int]:
         lay = self.ro.layout
@@ -96,6 +97,7 @@ class RetainedShardState:
         """``optimizer.load_state_dict``: every value checked against this rank's shard first,
         then torch checks the groups and takes their settings, and each value is copied into its
         retained view (the views stay the optimizer's state, whatever happens)."""
+        self._writable("optimizer.load_state_dict")
         if self._restore is None:
             self.store.clear_complete()  # partly loaded until initialised: nothing recovery trusts
         self._check_shapes(state_dict)
@@ -121,7 +123,7 @@ class RetainedShardState:
             for kind in self._kinds[i]:
                 value = values.get(kind)
                 local = value.to_local() if isinstance(value, DTensor) else value
-                if local is not None and (tuple(local.shape[:1]), tuple(local.shape[1:])) != ((rows,), slot.shape[1:]):
+                if local is not None and tuple(local.shape) != (rows, *slot.shape[1:]):
                     raise ConfigurationError(
                         f"param {slot.name}: loaded optimizer state {kind!r} has local shape {tuple(local.shape)}, "
                         f"this rank's shard {(rows, *slot.shape[1:])}: load sharded state (DTensors, e.g. through "
@@ -141,6 +143,19 @@ class RetainedShardState:
             self.store.steps[self._pieces[i]] = float(step) if step is not None else 0.0
         else:  # SGD keeps no step: a loaded momentum buffer means "not the first step"
             self.store.steps[self._pieces[i]] = 1.0 if values.get("momentum_buffer") is not None else 0.0
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise UsageError(f"{what}: this rank's retained shards are a shadow's views of the active trainer's "
+                             "memory (attach_fsdp2(resume=False)): load checkpoints in the active trainer, or after "
+                             "RetainedFSDP2.resume()")
+
+    def model_loading(self, module: torch.nn.Module, *args: object) -> None:
+        """The root model's ``load_state_dict`` pre-hook: refused on a shadow's views; else the
+        store is incomplete from before the first parameter is written."""
+        self._writable("model.load_state_dict")
+        if self._restore is None:
+            self.store.clear_complete()
 
     def model_loaded(self, module: torch.nn.Module, incompatible_keys: object) -> None:
         """The root model's ``load_state_dict`` post-hook: the parameters were copied into
@@ -166,6 +181,7 @@ class RetainedShardState:
         Accelerate's loaders): the store is incomplete until the block ends, then initialised
         once from the loaded values; the yielded ``Restore`` says where it continues. An
         exception leaves it incomplete (resume from the checkpoint again)."""
+        self._writable("restoring()")
         if self._restore is not None:
             raise UsageError("restoring() inside restoring(): load one checkpoint at a time")
         self.store.clear_complete()
