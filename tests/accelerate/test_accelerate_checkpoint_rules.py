@@ -73,3 +73,23 @@ def test_a_plain_accelerator_checkpoint_loads_into_retained_memory(tmp_path: Pat
     assert all(torch.equal(state[i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in state)
     acc.retained.store.require_complete()  # re-encoded and marked complete
     acc.end_training()
+
+
+def test_the_fallback_takes_the_newest_checkpoint_every_rank_recorded(tmp_path) -> None:
+    """The agent's checkpoint fallback (fallback.py): a rank that died while saving step 8 has
+    not recorded it, so step 4 is taken; a new job forgets a previous job's records."""
+    from leto_lightning.integrations.accelerate import fallback
+    from leto_lightning.runtime.contract import RESUME, ResumeMode
+
+    fallback.remember(str(tmp_path), 0, 4, str(tmp_path / "step_4"))
+    fallback.remember(str(tmp_path), 0, 8, str(tmp_path / "step_8"))
+    fallback.remember(str(tmp_path), 1, 4, str(tmp_path / "step_4"))
+    assert fallback.saved(str(tmp_path), 0) == {4: str(tmp_path / "step_4"), 8: str(tmp_path / "step_8")}
+    everyone = [sorted(fallback.saved(str(tmp_path), r)) for r in range(2)]
+    assert fallback.newest_of_all(everyone) == 4
+    assert fallback.newest_common(str(tmp_path), 0, world=1) == (8, str(tmp_path / "step_8"))  # one rank alone
+    assert fallback.newest_of_all([[], [4]]) is None
+    fallback.forget(str(tmp_path), 0)
+    assert fallback.saved(str(tmp_path), 0) == {} and fallback.newest_common(str(tmp_path), 0, world=1) is None
+    assert fallback.restarting_from_checkpoint({RESUME: ResumeMode.CHECKPOINT})
+    assert not fallback.restarting_from_checkpoint({RESUME: ResumeMode.RETAINED})

@@ -77,9 +77,14 @@ def newest_common(run_dir: str, rank: int, world: int) -> tuple[int, str] | None
     if world > 1 and torch.distributed.is_initialized():
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, sorted(mine))
-    common = set.intersection(*(set(its) for its in everyone))
-    if not common:
+    newest = newest_of_all(everyone)
+    if newest is None:
         log.info("rank %d: no checkpoint every rank saved in %s: the job starts over", rank, run_dir)
         return None
-    newest = max(common)
     return newest, mine[newest]
+
+
+def newest_of_all(everyone: list[list[int]]) -> int | None:
+    """The newest iteration in every rank's list (a rank that died while saving lacks it)."""
+    common = set.intersection(*(set(its) for its in everyone))
+    return max(common) if common else None
