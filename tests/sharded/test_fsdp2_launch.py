@@ -80,18 +80,19 @@ def fault_free(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
 
 def _faults(seed: int) -> tuple[int, list[dict]]:
     """Seeded: rank 1 frozen (SIGSTOP) as an iteration's compute begins (the test then wipes its
-    shard and SIGKILLs both ranks), later both ranks killed mid-update at once, and a kill in the
-    next-to-last iteration's update."""
+    shard and SIGKILLs both ranks); later both ranks killed mid-update at once, each once a
+    fresh shadow set is ready (a long job's steady state); then one rank killed mid-update while
+    the next shadow set is still starting (an iteration after that recovery): a cold restart."""
     rng = random.Random(seed)
     frozen_at, both_at = rng.randint(1, 2), rng.randint(5, 6)
-    faults = [
+    steady = [
         {"id": 0, "rank": 1, "iteration": frozen_at, "point": "compute.begin", "signal": int(signal.SIGSTOP)},
         {"id": 1, "rank": 0, "iteration": both_at, "point": "chunk.math_done", "occurrence": rng.randint(1, 8)},
         {"id": 2, "rank": 1, "iteration": both_at, "point": "chunk.tier1_partial", "occurrence": rng.randint(1, 8)},
-        {"id": 3, "rank": rng.randint(0, 1), "iteration": ITERATIONS - 2, "point": "chunk.committed",
-         "occurrence": rng.randint(1, 8)},
-    ]  # each strikes once a fresh shadow set is ready: a long job's steady state
-    return frozen_at, [dict(f, wait_shadows=True) for f in faults]
+    ]
+    cold = {"id": 3, "rank": rng.randint(0, 1), "iteration": both_at + 2, "point": "chunk.committed",
+            "occurrence": rng.randint(1, 8)}
+    return frozen_at, [dict(f, wait_shadows=True) for f in steady] + [cold]
 
 
 def _trainers(run_dir: Path, generation: int) -> dict[int, int]:
@@ -127,7 +128,8 @@ def _destroy_frozen_rank(proc: subprocess.Popen, run_dir: Path) -> int:
 def test_hofs_and_a_destroyed_shard_recover_in_place_bit_identical(tmp_path, tmp_path_factory, fault_free):
     """5 SIGKILLs in one run: both trainers killed in compute with rank 1's whole retained shard
     overwritten (tier 2 is the only other copy under FSDP2: it rebuilds the shard), both ranks
-    killed mid-update at once, one more mid-update; no checkpoint, bit-identical."""
+    killed mid-update at once (shadows promoted), one more mid-update (new trainers attach: a
+    cold restart); no checkpoint, bit-identical."""
     frozen_at, faults = _faults(seed=int(os.environ.get("LETO_SEED", "0")))
     proc = start(tmp_path, ITERATIONS, faults=faults, script=PLAIN_FSDP2)
     try:
@@ -140,7 +142,7 @@ def test_hofs_and_a_destroyed_shard_recover_in_place_bit_identical(tmp_path, tmp
     assert result.returncode == 0, result.output[-3000:]
     assert not result.of("fallback_checkpoint"), "a HOF must never take the checkpoint path"
     finished = [e for e in result.of("recovery_finished") if not e.get("interrupted")]
-    assert len(finished) == 3 and all(e["promoted"] == "shadow" for e in finished), finished
+    assert [e["promoted"] for e in finished] == ["shadow", "shadow", "cold"], finished
     assert all(e["signal"] == signal.SIGKILL for e in result.of("failure_detected"))
     # the destroyed shard: every protected page rebuilt, by tier 2 (each tier-1 group lost all its pages)
     (rank1,) = [line for line in finished[0]["repair"] if line.startswith("rank 1:")]
