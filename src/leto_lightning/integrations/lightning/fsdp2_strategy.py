@@ -13,6 +13,10 @@ changes (each measured against Lightning 2.6.6; see docs/lightning.md, "Sharded 
 - ``optimizer_step`` -- the precision plugin steps a proxy (``proxy.py``) whose ``step`` runs
   the closure (forward, backward, clipping of the DTensor gradients: the global norm) and then
   the chunk transactions over the local shards.
+- ``load_checkpoint`` -- ``"leto://retained"`` is the in-memory checkpoint of the resume payload;
+  a checkpoint file (``ModelParallelStrategy``'s distributed checkpoint, which ``ModelCheckpoint``
+  saves from the retained views) loads straight into a new store's views inside
+  ``RetainedFSDP2.restoring`` (the store is initialised once, at the file's step).
 - everything else a Leto fit does (resume payload, loop-state callback, loaders, the session,
   the logs) is ``fit_hooks.py``, shared with ``LetoStrategy``.
 
