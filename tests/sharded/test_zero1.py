@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from leto_lightning.errors import ConfigurationError
+from leto_lightning.errors import ConfigurationError, UsageError
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.layout import GRAD
 from leto_lightning.retained.owned import owned_layout
@@ -187,23 +187,51 @@ def test_owned_layout_one_page_map_per_node():
     assert specs[0].parity2_bytes() == specs[1].parity2_bytes()
 
 
-def test_bucket_view_and_overlap_refused(tmp_path):
+def test_refusals_name_the_value_and_the_fix(tmp_path):
+    """Each refusal names the value and the fix, before anything is allocated (no segment)."""
     result = run_in_child(lambda: _refusals(str(tmp_path / "rdzv")), timeout=60)
     assert result.exit_code == 0, result
-    bucket, overlap = result.value
+    found = result.value
+    bucket, overlap = found["parameters_as_bucket_view"], found["overlap_with_ddp"]
     assert "parameters_as_bucket_view=True" in bucket and "parameters_as_bucket_view=False" in bucket, bucket
     assert "overlap_with_ddp=True" in overlap and "overlap_with_ddp=False" in overlap, overlap
+    assert "Adagrad" in found["adagrad"] and "SGD, Adam and AdamW" in found["adagrad"], found["adagrad"]
+    assert "before its first step" in found["stepped"], found["stepped"]
+    assert "manual optimization" in found["lightning manual"] and "automatic_optimization=True" in found[
+        "lightning manual"], found
+    assert "`leto launch`" in found["lightning launch"] and "torchrun" in found["lightning launch"], found
+    assert "rollback_window=False" in found["accelerate rollback"], found
 
 
-def _refusals(rendezvous: str) -> list[str]:
+def _refusals(rendezvous: str) -> dict[str, str]:
+    from leto_lightning.integrations.accelerate import zero1 as accelerate_zero1
+    from leto_lightning.integrations.lightning.zero1 import zero1_partition
+
     dist.init_process_group("gloo", store=dist.FileStore(rendezvous, 1), rank=0, world_size=1)
+    net = torch.nn.Linear(3, 2)
+
+    def message(fn, expected: type[Exception] = ConfigurationError) -> str:
+        with pytest.raises(expected) as info:
+            fn()
+        return str(info.value)
+
     try:
-        messages = []
+        found = {}
         for flag in ("parameters_as_bucket_view", "overlap_with_ddp"):
-            zero = ZeroRedundancyOptimizer(torch.nn.Linear(3, 2).parameters(), torch.optim.AdamW, **{flag: True})
-            with pytest.raises(ConfigurationError) as info:
-                create_zero1(zero, RetainedConfig(), job_id=new_job_id())
-            messages.append(str(info.value))
-        return messages
+            zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, **{flag: True})
+            found[flag] = message(lambda: create_zero1(zero, RetainedConfig(), job_id=new_job_id()))
+        adagrad = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adagrad)
+        found["adagrad"] = message(lambda: create_zero1(adagrad, RetainedConfig(), job_id=new_job_id()))
+        stepped = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW)
+        net(torch.ones(1, 3)).sum().backward()
+        stepped.step()
+        found["stepped"] = message(lambda: create_zero1(stepped, RetainedConfig(), job_id=new_job_id()), UsageError)
+        zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW)
+        found["lightning manual"] = message(lambda: zero1_partition(zero, net, manual=True, under_launcher=False))
+        found["lightning launch"] = message(lambda: zero1_partition(zero, net, manual=False, under_launcher=True))
+        found["accelerate rollback"] = message(lambda: accelerate_zero1.bind(
+            zero, RetainedConfig(), new_job_id(), {}, False, None, lambda: None, {}, under_launcher=False,
+            rollback_window=True))
+        return found
     finally:
         dist.destroy_process_group()
