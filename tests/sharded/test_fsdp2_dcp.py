@@ -7,6 +7,7 @@ plain FSDP2 + AdamW both ways. Two gloo ranks forked from this process, per phas
 from __future__ import annotations
 
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,7 @@ def _refusals() -> dict:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     job_id = new_job_id()
+    job_ids_ = [job_id]
     out: dict = {}
     try:
         def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -193,8 +195,19 @@ def _refusals() -> dict:
         shadow.store.close()
         # last: the model's parameters are replaced for good (the binding cannot be used after it)
         attempt("assign", lambda: model.load_state_dict(bound.state_dict(copy=True)["model"], assign=True))
+        # detached (copied out of retained memory): loads go to the copies, restoring is refused
+        job_ids_.append(new_job_id())
+        kept, kept_optimizer = model_and_optimizer()
+        bound = create_fsdp2(kept, kept_optimizer, config, job_id=job_ids_[-1], rank=0)
+        saved = bound.state_dict(copy=True)
+        bound.detach()
+        attempt("detached", lambda: bound.load_state_dict(saved))
+        kept.load_state_dict(saved["model"])  # no hook left: the store is not touched
+        kept_optimizer.load_state_dict(kept_optimizer.state_dict())
+        out["detached kept"] = "load_state_dict" not in kept_optimizer.__dict__
     finally:
-        unlink_segments(job_id)
+        for job_id_ in job_ids_:
+            unlink_segments(job_id_)
         dist.destroy_process_group()
     return out
 
@@ -204,7 +217,8 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     a value that is not this rank's shard, a negative iteration, a load that replaces a shard;
     a good load after a refusal initialises the store again. Binding another optimizer to the
     store then (attach: incomplete; create: it exists) is refused and leaves its groups as they were;
-    a shadow's views (attach_fsdp2(resume=False)) refuse every load before writing anything."""
+    a shadow's views (attach_fsdp2(resume=False)) refuse every load before writing anything; after
+    ``detach()`` loads go to the copies and restoring is refused."""
     result = run_in_child(_refusals, timeout=60)
     assert result.exit_code == 0, result
     out = result.value
@@ -217,6 +231,8 @@ def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
     assert out["attach"].startswith("IncompleteStoreError: rank 0"), out["attach"]
     assert out["create"].startswith("UsageError: retained memory of job") and "attach_fsdp2" in out["create"]
     assert out["groups kept"], "a refused bind left the optimizer's param groups re-pointed"
+    assert out["detached"].startswith("UsageError: restoring(): detached from retained memory"), out["detached"]
+    assert out["detached complete"] is True and out["detached kept"], out
     for what in ("shadow", "shadow optimizer"):  # the active's store stays complete: nothing was written
         assert out[what].startswith("UsageError:") and "a shadow's views" in out[what], out[what]
         assert out[f"{what} complete"] is True, out
@@ -261,7 +277,8 @@ def test_hof_right_after_a_dcp_restart_recovers_in_place_bit_identical(tmp_path,
 def _families() -> dict[str, bool]:
     """SGD (momentum, dampening, weight decay) and Adam (amsgrad) on one gloo rank: a state dict
     taken after 2 of 3 steps, loaded plain -> bound, bound -> plain, bound -> bound; the third
-    step's params equal 3 plain steps'."""
+    step's params equal 3 plain steps'. A constant LR schedule built before binding: no warning
+    that ``optimizer.step`` was overridden."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,6 +297,7 @@ def _families() -> dict[str, bool]:
         for module in (model[0], model):
             fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
         optimizer = optimizer_of(model.parameters())
+        schedules[optimizer] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # before binding
         if bound:
             job_ids_.append(new_job_id())
             create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64, tier2_parity=0), job_id=job_ids_[-1], rank=0)
@@ -290,9 +308,14 @@ def _families() -> dict[str, bool]:
             model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
+            schedules[optimizer].step()
         return [p.to_local().clone() for p in model.parameters()]
 
-    out = {}
+    out: dict = {}
+    schedules: dict = {}
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     try:
         for name, optimizer_of in (
                 ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
@@ -308,13 +331,18 @@ def _families() -> dict[str, bool]:
                 kinds = "->".join("bound" if bound else "plain" for bound in (source, target))
                 out[f"{name} {kinds}"] = all(torch.equal(x, y) for x, y in zip(reference, final, strict=True))
     finally:
+        caught.__exit__(None, None, None)
         for job_id in job_ids_:
             unlink_segments(job_id)
         dist.destroy_process_group()
+    out["scheduler warnings"] = [str(w.message) for w in seen if "lr_scheduler" in str(w.message)
+                                 or "optimizer.step()" in str(w.message)]
     return out
 
 
 def test_sgd_and_adam_amsgrad_state_dicts_interoperate_with_plain_fsdp2():
     result = run_in_child(_families, timeout=60)
     assert result.exit_code == 0, result
-    assert result.value and all(result.value.values()), result.value
+    out = dict(result.value)
+    assert out.pop("scheduler warnings") == [], result.value
+    assert out and all(out.values()), out

@@ -56,6 +56,10 @@ PRIVATE_ATTRIBUTES = (
 )
 
 
+SHADOW_VIEWS = ("this rank's retained shards are a shadow's views of the active trainer's memory "
+                "(attach_fsdp2(resume=False)): load checkpoints in the active trainer, or after RetainedFSDP2.resume()")
+
+
 class FSDP2InternalsError(ConfigurationError):
     """This torch's FSDP2 does not have the private attributes the retained binding uses."""
 
@@ -134,8 +138,8 @@ class RetainedFSDP2:
         self._repoint()
         self.state = RetainedShardState(ro, self._sharded, [v.shape[0] for v in self._grad_views])
         self.state.expose()
-        model.register_load_state_dict_pre_hook(self.state.model_loading)
-        model.register_load_state_dict_post_hook(self.state.model_loaded)
+        self._load_hooks = (model.register_load_state_dict_pre_hook(self.state.model_loading),
+                            model.register_load_state_dict_post_hook(self.state.model_loaded))
         # Methods bound to the optimizer (an LR scheduler re-binds the step it wraps to it).
         opt = self.optimizer
         opt._leto_fsdp2 = self  # type: ignore[attr-defined]
@@ -170,7 +174,7 @@ class RetainedFSDP2:
         """Once promoted (after ``attach_fsdp2(..., resume=False)``): continue after the last
         committed iteration with zeroed gradients. Returns the committed resume payload."""
         payload = self.ro.resume()
-        self.state.read_only = False
+        self.state.read_only = ""
         self.zero_grad()
         return payload
 
@@ -216,8 +220,11 @@ class RetainedFSDP2:
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         state[key] = value.clone()
-        for name in ("step", "zero_grad", "_leto_fsdp2"):
+        for name in ("step", "zero_grad", "load_state_dict", "_leto_fsdp2"):
             self.optimizer.__dict__.pop(name, None)
+        for handle in self._load_hooks:  # loads go to the copies now, never to the store
+            handle.remove()
+        self.state.read_only = "detached from retained memory (RetainedFSDP2.detach()): nothing to restore into"
 
     # -- distributed checkpoints (torch.distributed.checkpoint) ---------------------------
     def state_dict(self, copy: bool = False) -> dict[str, Any]:
@@ -276,7 +283,14 @@ class RetainedFSDP2:
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's LR-scheduler step wrapper records
     return optimizer._leto_fsdp2.step(closure)  # type: ignore[attr-defined]
+
+
+# An LR scheduler built before binding checks its wrapper is still there (else it warns that
+# optimizer.step was overridden); one built after then leaves the step as it is (it records the
+# call itself, above).
+_optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def _optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -397,5 +411,5 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
     if resume:
         bound.zero_grad()
     else:
-        bound.state.read_only = True  # a shadow: never writes the active trainer's memory
+        bound.state.read_only = SHADOW_VIEWS  # a shadow never writes the active trainer's memory
     return bound

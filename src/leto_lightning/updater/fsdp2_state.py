@@ -64,7 +64,7 @@ class RetainedShardState:
         self._pieces = [self._pieces_of(s) for s in lay.params]
         self._exposed: list[dict[str, torch.Tensor]] = []
         self._restore: Restore | None = None  # inside restoring(): initialised once at its end
-        self.read_only = False  # a shadow's views (attach_fsdp2(resume=False)) until it resumes
+        self.read_only = ""  # why loads are refused: a shadow's views until it resumes, or detached
 
     def _pieces_of(self, slot: ParamSlot) -> list[int]:
         lay = self.ro.layout
@@ -146,9 +146,7 @@ class RetainedShardState:
 
     def _writable(self, what: str) -> None:
         if self.read_only:
-            raise UsageError(f"{what}: this rank's retained shards are a shadow's views of the active trainer's "
-                             "memory (attach_fsdp2(resume=False)): load checkpoints in the active trainer, or after "
-                             "RetainedFSDP2.resume()")
+            raise UsageError(f"{what}: {self.read_only}")
 
     def model_loading(self, module: torch.nn.Module, *args: object) -> None:
         """The root model's ``load_state_dict`` pre-hook: refused on a shadow's views; else the
