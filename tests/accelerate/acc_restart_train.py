@@ -28,6 +28,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--checkpoints", default="checkpoints")
     p.add_argument("--load-state", default=None)
+    p.add_argument("--slow-after", type=int, default=0, help="from this optimizer step on, sleep 4x as long per "
+                   "micro-step (time for a test to look at the trackers before the job ends; no numeric effect)")
     mine, rest = p.parse_known_args(argv)
     return mine, example.parse_args(rest)
 
@@ -80,7 +82,7 @@ def main(argv: list[str]) -> None:
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()) + 0.01 * aux
                 accelerator.backward(loss)
                 if args.sleep:
-                    time.sleep(args.sleep)
+                    time.sleep(args.sleep * (4 if mine.slow_after and done >= mine.slow_after else 1))
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip)
                     accelerator.log({"loss": accelerator.gather(loss.detach()).mean().item(),

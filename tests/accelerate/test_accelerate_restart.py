@@ -105,15 +105,18 @@ def _job_a(tmp_path: Path, out: Path) -> Path:
     log = tmp_path / "a.log"
     with open(log, "w") as f:
         job_a = subprocess.Popen(_cmd(free_port(), "--rollback-window", "--wandb", "--tensorboard", "--sleep", "0.2",
-                                      "--out", str(out)), cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
+                                      "--slow-after", "4", "--out", str(out)),
+                                 cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
     step_4 = out / "checkpoints" / "step_4"
     try:
         wait_for(lambda: len(list((tmp_path / "leto-runs").glob("accelerate-*"))) == 1, 120, "job A's run dir")
         (run_a,) = (tmp_path / "leto-runs").glob("accelerate-*")
         killer = Killer(run_a, out, seed=0)
         wait_for(lambda: killer.recoveries() >= 1, 300, "the recovery from the kill during evaluation")
-        wait_for(lambda: all((step_4 / f"leto_state_{r}.pt").exists() for r in range(2)), 300, "step 4's checkpoint")
+        # wandb writes its offline run file late on a loaded machine: look before step 4 ends, and
+        # the job runs slower after it (--slow-after) so that it is still running then
         wait_for(lambda: _recovery_rows(tmp_path), 60, "the recovery metrics in wandb's run file")
+        wait_for(lambda: all((step_4 / f"leto_state_{r}.pt").exists() for r in range(2)), 300, "step 4's checkpoint")
         job_a.send_signal(signal.SIGTERM)  # the whole job stops (preempted)
         output = finish(job_a, log, timeout=120)
     finally:
