@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import signal
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from leto_lightning.errors import IncompleteStoreError
+from leto_lightning.errors import IncompleteStoreError, LetoError
+from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import new_job_id, unlink_segments
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child
+from leto_lightning.updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
+from leto_lightning.updater.fsdp2_state import detached_copy
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.repair import find_damage, verify_parity
 from leto_lightning.updater.transaction import ParityCodes
@@ -143,73 +152,88 @@ def test_rank_killed_while_loading_a_checkpoint_leaves_incomplete_stores(tmp_pat
     assert refusal.startswith("IncompleteStoreError: rank 0") and "last checkpoint" in refusal, refusal
 
 
-def _refusals() -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+class OneRank:
+    """A one-rank gloo group (a HashStore: no port) in a forked child, and the stores bound in
+    it (freed on exit)."""
 
-    from leto_lightning.errors import LetoError
-    from leto_lightning.retained.config import RetainedConfig
-    from leto_lightning.updater.fsdp2 import attach_fsdp2, create_fsdp2
+    config = RetainedConfig(page_bytes=64, tier2_parity=0)
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    job_id = new_job_id()
-    job_ids_ = [job_id]
-    out: dict = {}
+    def __enter__(self) -> OneRank:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.job_ids: list[str] = []
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for job_id in self.job_ids:
+            unlink_segments(job_id)
+        dist.destroy_process_group()
+
+    def model(self, optimizer_of=torch.optim.AdamW) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        for module in (model[0], model):
+            fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        return model, optimizer_of(model.parameters())
+
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> RetainedFSDP2:
+        self.job_ids.append(new_job_id())
+        return create_fsdp2(model, optimizer, self.config, job_id=self.job_ids[-1], rank=0)
+
+
+def _attempt(out: dict, what: str, load: Callable[[], object], store: RetainedStore) -> None:
+    """``out[what]``: "accepted" or the refusal; ``out[what + " complete"]``: the store's mark after."""
     try:
-        def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-            model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-            for module in (model[0], model):
-                fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
-            return model, torch.optim.AdamW(model.parameters())
+        load()
+        out[what] = "accepted"
+    except LetoError as exc:
+        out[what] = f"{type(exc).__name__}: {exc}"
+    out[f"{what} complete"] = store.is_complete()
 
-        model, optimizer = model_and_optimizer()
-        config = RetainedConfig(page_bytes=64, tier2_parity=0)
-        bound = create_fsdp2(model, optimizer, config, job_id=job_id, rank=0)
+
+def _refusals() -> dict:
+    out: dict = {}
+    with OneRank() as one:
+        model, optimizer = one.model()
+        bound = one.bind(model, optimizer)
+        job_id = one.job_ids[-1]
         model(torch.ones(2, 3)).sum().backward()
         optimizer.step()
-
-        def attempt(what: str, load) -> None:
-            try:
-                load()
-                out[what] = "accepted"
-            except LetoError as exc:
-                out[what] = f"{type(exc).__name__}: {exc}"
-            out[f"{what} complete"] = bound.store.is_complete()
-
         wrong = optimizer.state_dict()  # its per-param dicts are the optimizer's own (as in torch): copied
         wrong["state"] = {pid: dict(values) for pid, values in wrong["state"].items()}
         wrong["state"][0]["exp_avg"] = torch.zeros(5, 3)  # a full-size plain tensor, not this rank's shard
-        attempt("optimizer", lambda: optimizer.load_state_dict(wrong))
-        attempt("negative", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=-1))
-        other, other_optimizer = model_and_optimizer()  # the store is incomplete now: nothing to attach to
-        attempt("attach", lambda: attach_fsdp2(other, other_optimizer, job_id=job_id, rank=0))
-        attempt("create", lambda: create_fsdp2(other, other_optimizer, config, job_id=job_id, rank=0))
+        _attempt(out, "optimizer", lambda: optimizer.load_state_dict(wrong), bound.store)
+        _attempt(out, "negative", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=-1),
+                 bound.store)
+        other, other_optimizer = one.model()  # the store is incomplete now: nothing to attach to
+        _attempt(out, "attach", lambda: attach_fsdp2(other, other_optimizer, job_id=job_id, rank=0), bound.store)
+        _attempt(out, "create", lambda: create_fsdp2(other, other_optimizer, one.config, job_id=job_id, rank=0),
+                 bound.store)
         out["groups kept"] = [p for g in other_optimizer.param_groups for p in g["params"]] == list(other.parameters())
-        attempt("good", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=7))
+        _attempt(out, "good", lambda: bound.load_state_dict(bound.state_dict(copy=True), iteration=7), bound.store)
         out["iteration"] = bound.iteration
-        shadow_model, shadow_optimizer = model_and_optimizer()
-        shadow = attach_fsdp2(shadow_model, shadow_optimizer, job_id=job_id, rank=0, resume=False)  # views only
-        attempt("shadow", lambda: shadow_model.load_state_dict(bound.state_dict(copy=True)["model"]))
-        attempt("shadow optimizer", lambda: shadow_optimizer.load_state_dict(shadow_optimizer.state_dict()))
-        shadow.store.close()
-        # last: the model's parameters are replaced for good (the binding cannot be used after it)
-        attempt("assign", lambda: model.load_state_dict(bound.state_dict(copy=True)["model"], assign=True))
+        _shadow_and_assign(out, one, model, bound)
         # detached (copied out of retained memory): loads go to the copies, restoring is refused
-        job_ids_.append(new_job_id())
-        kept, kept_optimizer = model_and_optimizer()
-        bound = create_fsdp2(kept, kept_optimizer, config, job_id=job_ids_[-1], rank=0)
+        kept, kept_optimizer = one.model()
+        bound = one.bind(kept, kept_optimizer)
         saved = bound.state_dict(copy=True)
         bound.detach()
-        attempt("detached", lambda: bound.load_state_dict(saved))
+        _attempt(out, "detached", lambda: bound.load_state_dict(saved), bound.store)
         kept.load_state_dict(saved["model"])  # no hook left: the store is not touched
         kept_optimizer.load_state_dict(kept_optimizer.state_dict())
         out["detached kept"] = "load_state_dict" not in kept_optimizer.__dict__
-    finally:
-        for job_id_ in job_ids_:
-            unlink_segments(job_id_)
-        dist.destroy_process_group()
     return out
+
+
+def _shadow_and_assign(out: dict, one: OneRank, model: torch.nn.Module, bound: RetainedFSDP2) -> None:
+    shadow_model, shadow_optimizer = one.model()
+    shadow = attach_fsdp2(shadow_model, shadow_optimizer, job_id=one.job_ids[-1], rank=0, resume=False)  # views only
+    _attempt(out, "shadow", lambda: shadow_model.load_state_dict(bound.state_dict(copy=True)["model"]), bound.store)
+    _attempt(out, "shadow optimizer", lambda: shadow_optimizer.load_state_dict(shadow_optimizer.state_dict()),
+             bound.store)
+    shadow.store.close()
+    # the model's parameters are replaced for good: the binding cannot be used after it
+    _attempt(out, "assign", lambda: model.load_state_dict(bound.state_dict(copy=True)["model"], assign=True),
+             bound.store)
 
 
 def test_loads_refused_naming_the_fix_leave_the_store_incomplete():
@@ -274,67 +298,47 @@ def test_hof_right_after_a_dcp_restart_recovers_in_place_bit_identical(tmp_path,
         assert all(torch.equal(x, y) for x, y in zip(tail, continued[rank]["losses"], strict=True)), f"rank {rank}"
 
 
-def _families() -> dict[str, bool]:
+def _train_one_rank(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, first: int,
+                    stop: int) -> list[torch.Tensor]:
+    for i in range(first, stop):
+        model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return [p.to_local().clone() for p in model.parameters()]
+
+
+FAMILIES = (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+            ("adam", lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True)))
+
+
+def _families() -> dict:
     """SGD (momentum, dampening, weight decay) and Adam (amsgrad) on one gloo rank: a state dict
     taken after 2 of 3 steps, loaded plain -> bound, bound -> plain, bound -> bound; the third
     step's params equal 3 plain steps'. A constant LR schedule built before binding: no warning
     that ``optimizer.step`` was overridden."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from leto_lightning.retained.config import RetainedConfig
-    from leto_lightning.updater.fsdp2 import create_fsdp2
-    from leto_lightning.updater.fsdp2_state import detached_copy
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    job_ids_: list[str] = []
-
-    def make(bound: bool, optimizer_of) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-        for module in (model[0], model):
-            fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
-        optimizer = optimizer_of(model.parameters())
-        schedules[optimizer] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # before binding
-        if bound:
-            job_ids_.append(new_job_id())
-            create_fsdp2(model, optimizer, RetainedConfig(page_bytes=64, tier2_parity=0), job_id=job_ids_[-1], rank=0)
-        return model, optimizer
-
-    def train(model, optimizer, first: int, stop: int) -> list[torch.Tensor]:
-        for i in range(first, stop):
-            model(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))).pow(2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            schedules[optimizer].step()
-        return [p.to_local().clone() for p in model.parameters()]
-
     out: dict = {}
-    schedules: dict = {}
-    caught = warnings.catch_warnings(record=True)
-    seen = caught.__enter__()
-    warnings.simplefilter("always")
-    try:
-        for name, optimizer_of in (
-                ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-                ("adam", lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True))):
-            reference = train(*make(False, optimizer_of), 0, 3)
+    with OneRank() as one, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+
+        def make(bound: bool, optimizer_of) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+            model, optimizer = one.model(optimizer_of)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # before binding
+            if bound:
+                one.bind(model, optimizer)
+            return model, optimizer, schedule
+
+        for name, optimizer_of in FAMILIES:
+            reference = _train_one_rank(*make(False, optimizer_of), 0, 3)
             for source, target in ((False, True), (True, False), (True, True)):
-                model, optimizer = make(source, optimizer_of)
-                train(model, optimizer, 0, 2)
+                model, optimizer, schedule = make(source, optimizer_of)
+                _train_one_rank(model, optimizer, schedule, 0, 2)
                 state = detached_copy(get_state_dict(model, optimizer))
-                model, optimizer = make(target, optimizer_of)
+                model, optimizer, schedule = make(target, optimizer_of)
                 set_state_dict(model, optimizer, model_state_dict=state[0], optim_state_dict=state[1])
-                final = train(model, optimizer, 2, 3)
+                final = _train_one_rank(model, optimizer, schedule, 2, 3)
                 kinds = "->".join("bound" if bound else "plain" for bound in (source, target))
                 out[f"{name} {kinds}"] = all(torch.equal(x, y) for x, y in zip(reference, final, strict=True))
-    finally:
-        caught.__exit__(None, None, None)
-        for job_id in job_ids_:
-            unlink_segments(job_id)
-        dist.destroy_process_group()
     out["scheduler warnings"] = [str(w.message) for w in seen if "lr_scheduler" in str(w.message)
                                  or "optimizer.step()" in str(w.message)]
     return out
