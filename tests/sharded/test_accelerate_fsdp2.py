@@ -248,3 +248,48 @@ def test_accelerate_launch_fsdp2_five_kills_bit_identical(tmp_path) -> None:
         assert len(finished) == 5 and all(e["promoted"] in ("shadow", "cold") for e in finished), (rank, finished)
     left = leftovers(LaunchedRun(0, "", run_dir, all_events(run_dir)))
     assert not left, "; ".join(left)
+
+
+@pytest.mark.slow  # LETO_LONG=1: about 2 minutes on 2 loaded cores
+def test_leto_launch_fsdp2_damage_beyond_parity_restarts_from_save_state(tmp_path) -> None:
+    """Under ``leto launch``: ``save_state`` after step 4 (a distributed checkpoint of the shards),
+    then both active trainers stopped, both ranks' data pages overwritten (beyond tier-1 and
+    tier-2 parity: nothing else holds a shard) and both SIGKILLed. The agent reports the damage,
+    restarts every trainer with ``LETO_RESUME=checkpoint``; ``leto_resume()`` loads step 4's
+    checkpoint and the job ends bit-identical to the uninterrupted plain run."""
+    reference = tmp_path / "plain"
+    run_forked(reference, "--plain", "--epochs", "4")
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    cmd = [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+           str(SCRIPT), "--out", str(out), "--epochs", "4", "--save-at", "4", "--sleep", "0.3"]
+    log = tmp_path / "leto.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=QUIET, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        records = [run_dir / "accelerate" / f"checkpoints_rank{r}.json" for r in range(2)]
+        wait_for(lambda: all(p.exists() for p in records) and (out / "losses_rank0.jsonl").exists()
+                 and len(rows(out, 0)) > 5, 300, "step 4's checkpoint recorded by both ranks, and step 5")
+        (job_id,) = {e["job_id"] for e in all_events(run_dir) if e["event"] == "job_started"}
+        victims = [active_pid(run_dir, r) for r in range(2)]
+        for pid in victims:
+            os.kill(pid, signal.SIGSTOP)  # nothing rewrites a page while it is overwritten
+        segments = sorted(Path("/dev/shm").glob(f"*{job_id}-r*-data"))
+        for path in segments:
+            path.write_bytes(b"\xa5" * path.stat().st_size)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    assert len(segments) == 2
+    events = all_events(run_dir)
+    (fallback,) = [e for e in events if e["event"] == "fallback_checkpoint"]
+    assert "damaged beyond what checksums, copies and parity can repair" in fallback["reason"], fallback
+    restarted = [e for e in events if e["event"] == "process_started" and e["role"] == "active"][-2:]
+    assert [e.get("resume") for e in restarted] == ["checkpoint"] * 2
+    assert differences(out, reference) == []
+    logged = [json.loads(line)["step"] for line in (out / "losses_rank0.jsonl").read_text().splitlines()]
+    assert logged.count(1) == 1 and logged.count(4) == 2  # redone from step 4's checkpoint, not from the start
+    left = leftovers(LaunchedRun(0, "", run_dir, events))
+    assert not left, "; ".join(left)
