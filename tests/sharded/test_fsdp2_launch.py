@@ -162,6 +162,31 @@ def test_fault_free_under_leto_launch_bit_identical_to_plain_fsdp2(tmp_path_fact
     assert [plain.final(r)["params"][0].shape[0] for r in range(WORLD)] == [49, 48]
 
 
+@pytest.mark.slow  # LETO_LONG=1: the fallback mechanism runs in CI with DDP (tests/runtime)
+def test_non_hof_failure_restarts_from_the_distributed_checkpoint_exactly(tmp_path, tmp_path_factory):
+    """A failure declared not a HOF (exit code 43): the agent restarts every trainer from the
+    script's newest distributed checkpoint (saved from the retained views every 4 iterations);
+    the new job loads it into fresh retained stores and ends bit-identical."""
+    faults = [{"id": 0, "rank": 1, "iteration": 9, "point": "compute.begin", "action": "exit", "code": 43}]
+    proc = start(tmp_path, ITERATIONS, faults=faults, script=PLAIN_FSDP2, script_args=["--checkpoint-every", "4"],
+                 extra=["--non-hof-exit-code", "43"])
+    try:
+        plain = plain_run(tmp_path_factory.getbasetemp())
+    except BaseException:
+        stop(proc)
+        raise
+    result = finish(proc, tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    (verdict,) = result.of("classification")
+    assert verdict["hof"] is False and "43" in verdict["reason"]
+    (fallback,) = result.of("fallback_checkpoint")
+    assert "non-HOF" in fallback["reason"]
+    restarted = [e for e in result.of("process_started") if e["role"] == "active" and e["resume"] == "checkpoint"]
+    assert len(restarted) == WORLD, restarted
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["fsdp2-12", "fsdp2-4", "fsdp2-8"]
+    assert_bit_identical(result, plain)
+
+
 @pytest.mark.slow  # LETO_LONG=1: two agents and 4 ranks (~1 min on 2 loaded cores)
 def test_two_node_agents_fsdp2_across_four_ranks(tmp_path, tmp_path_factory, monkeypatch):
     """Two node agents on loopback (2 + 2 ranks), FSDP2 sharded over all 4: rank 3 killed

@@ -12,7 +12,10 @@ shadow continues from them, bit-identical to the run without failures, and that 
 bit-identical to the same script under torchrun. Deterministic on CPU (gloo, one thread).
 
 Writes ``loss_rank<r>.jsonl`` (one line per iteration) and, at the end, ``final_rank<r>.pt``:
-this rank's local shards -- the real rows of every parameter and of its AdamW state.
+this rank's local shards -- the real rows of every parameter and of its AdamW state. With
+``--checkpoint-every N`` (under ``leto launch``) it saves distributed checkpoints from the
+retained views, and after the agent's fallback to the checkpoint path (a failure that is not a
+HOF) it continues from the newest one every rank finished, exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import leto_lightning.runtime as leto
 from leto_lightning.models.tiny import rank_batch
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.runtime.contract import under_launcher
-from leto_lightning.runtime.session import ProtectedTraining
+from leto_lightning.runtime.session import ProtectedTraining, load_checkpoint_file
 from leto_lightning.runtime.storage import atomic_torch_save
 
 VOCAB = 97  # odd: the embedding's and the head's rows shard unevenly
@@ -80,6 +83,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-norm", type=float, default=0.5, help="gradient clipping (global norm)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5, help="iterations of linear LR warm-up, then 1/sqrt decay")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="under leto launch: a distributed checkpoint every N iterations (the agent's fallback)")
     p.add_argument("--out", default=None, help="where outputs go (default: the run dir under leto launch)")
     return p.parse_args(argv)
 
@@ -96,10 +101,12 @@ def build(args: argparse.Namespace) -> tuple[ShardedLM, torch.optim.AdamW]:
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
 
-def schedule_for(optimizer: torch.optim.Optimizer, warmup: int, start: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up then decay, positioned at iteration ``start`` (a resumed run continues it)."""
+def schedule_for(optimizer: torch.optim.Optimizer, base_lr: float, warmup: int,
+                 start: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up then decay of ``base_lr``, positioned at iteration ``start`` (a resumed run
+    continues it; a loaded checkpoint's param groups need not carry the base)."""
     for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])  # what LambdaLR(last_epoch >= 0) scales
+        group["initial_lr"] = base_lr  # what LambdaLR(last_epoch >= 0) scales
 
     def factor(it: int) -> float:
         return (it + 1) / warmup if it < warmup else (warmup / (it + 1)) ** 0.5
@@ -121,10 +128,45 @@ def local_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return {"params": [p.detach().clone() for p in params], "optimizer": {"state": state}}
 
 
+def save_checkpoint(train: ProtectedTraining, out: str, rank: int, iteration: int, payload: dict) -> None:
+    """A distributed checkpoint of every rank's shards (``dcp.save`` from the retained views),
+    then this rank's note that it finished it (where to continue, and the RNG stream)."""
+    assert train.sharded is not None  # an FSDP2 model
+    path = os.path.join(out, "checkpoints", f"fsdp2-{iteration}")
+    train.sharded.save_checkpoint(path)
+    atomic_torch_save({"iteration": iteration, "payload": payload}, os.path.join(path, f"done_rank{rank}.pt"))
+
+
+def newest_checkpoint(out: str, rank: int) -> tuple[str, dict] | None:
+    """The newest distributed checkpoint every rank finished (a crash during a save leaves a
+    newer one some rank never finished), and this rank's note of it; None if there is none."""
+    base = os.path.join(out, "checkpoints")
+    names = os.listdir(base) if os.path.isdir(base) else []
+    mine = [int(n.split("-")[1]) for n in names
+            if n.startswith("fsdp2-") and os.path.exists(os.path.join(base, n, f"done_rank{rank}.pt"))]
+    newest = torch.tensor(max(mine, default=0))
+    dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    if not newest.item():
+        return None
+    path = os.path.join(base, f"fsdp2-{newest.item()}")
+    return path, load_checkpoint_file(os.path.join(path, f"done_rank{rank}.pt"))
+
+
+def protect(session: leto.Session, model: ShardedLM, optimizer: torch.optim.AdamW, out: str) -> ProtectedTraining:
+    """Under ``leto launch``: bind the shards to retained memory (after the agent's fallback to
+    the checkpoint path: loaded from the newest distributed checkpoint, if any)."""
+    found = newest_checkpoint(out, dist.get_rank()) if session.resume_from_checkpoint else None
+    if found is None:
+        return session.protect(model, optimizer, CONFIG)  # L3 shadows wait here
+    path, note = found
+    return session.protect(model, optimizer, CONFIG, start_iteration=note["iteration"], payload=note["payload"],
+                           checkpoint=path)
+
+
 def train_loop(args: argparse.Namespace, model: ShardedLM, optimizer: torch.optim.AdamW,
-               train: ProtectedTraining | None, rank: int, losses: IO[str]) -> None:
+               train: ProtectedTraining | None, rank: int, losses: IO[str], out: str) -> None:
     start = train.start_iteration if train is not None else 0
-    schedule = schedule_for(optimizer, args.warmup, start)
+    schedule = schedule_for(optimizer, args.lr, args.warmup, start)
     if train is not None and train.payload is not None:
         resumed = cast(dict, train.payload)  # what step(payload=...) below recorded
         torch.set_rng_state(resumed["rng"])
@@ -141,13 +183,16 @@ def train_loop(args: argparse.Namespace, model: ShardedLM, optimizer: torch.opti
             loss.backward()  # FSDP2 reduce-scatters into the (retained) gradient shards
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # before the step (prepare)
+        payload = {"rng": torch.get_rng_state(), "it": it, "loss": total.item()}  # what a resume needs
         if train is not None:
-            train.step(payload={"rng": torch.get_rng_state(), "it": it, "loss": total.item()})
+            train.step(payload=payload)
         else:
             optimizer.step()
         schedule.step()
         losses.write(json.dumps({"it": it, "loss": total.item()}) + "\n")
         losses.flush()
+        if train is not None and args.checkpoint_every and (it + 1) % args.checkpoint_every == 0:
+            save_checkpoint(train, out, rank, it + 1, payload)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -163,9 +208,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or (session.env.run_dir if session is not None else "runs/plain_fsdp2")
     os.makedirs(out, exist_ok=True)
     model, optimizer = build(args)
-    train = session.protect(model, optimizer, CONFIG) if session is not None else None  # L3 shadows wait here
+    train = protect(session, model, optimizer, out) if session is not None else None
     with open(os.path.join(out, f"loss_rank{rank}.jsonl"), "a") as losses:
-        train_loop(args, model, optimizer, train, rank, losses)
+        train_loop(args, model, optimizer, train, rank, losses, out)
     atomic_torch_save(local_shards(model, optimizer), os.path.join(out, f"final_rank{rank}.pt"))  # never half-written
     if train is not None:
         train.finish()

@@ -149,23 +149,28 @@ class Session:
 
     def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 config: RetainedConfig | None = None, start_iteration: int = 0,
-                payload: object = None) -> ProtectedTraining:
+                payload: object = None, checkpoint: str | None = None) -> ProtectedTraining:
         """Bind ``model``/``optimizer`` to retained memory; returns where to start.
 
         A fresh job (or a restart from a checkpoint: pass the checkpoint's next iteration and
         resume payload) creates the retained store; shadows and cold restarts attach to it.
         A model sharded with FSDP2 (``fully_shard``) keeps its local shards there
-        (``bind_fsdp2``); FSDP2's reduce-scatter then averages the gradients.
+        (``bind_fsdp2``); FSDP2's reduce-scatter then averages the gradients. Its checkpoint
+        is a distributed checkpoint directory (``checkpoint``), loaded into the retained views.
         """
         t0 = time.time()
         sharded = is_fsdp2(model)
+        if checkpoint is not None and not sharded:
+            raise UsageError(f"protect(checkpoint={checkpoint!r}) is for FSDP2 models; load a DDP model's and "
+                             "optimizer's state dicts before protect and pass start_iteration and payload")
         if self.is_shadow and self.env.level < 3:
             self.wait_for_promotion()
         if self.creates_store:
             if sharded:
-                _refuse_sharded_checkpoint_start(start_iteration, payload)
-                bound = self.bind_fsdp2(model, optimizer, config)
-                return ProtectedTraining(self, model, bound.ro, start_iteration=0, payload=None, sharded=bound)
+                bound = self.bind_fsdp2(model, optimizer, config, checkpoint=checkpoint, iteration=start_iteration,
+                                        payload=payload)
+                return ProtectedTraining(self, model, bound.ro, start_iteration=bound.iteration, payload=payload,
+                                         sharded=bound)
             ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
             return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
         fsdp2: RetainedFSDP2 | None = None
@@ -188,11 +193,13 @@ class Session:
 
     def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    config: RetainedConfig | None = None, *, barrier: Callable[[], None] | None = None,
-                   payload_fn: Callable[[], object] | None = None) -> RetainedFSDP2:
+                   payload_fn: Callable[[], object] | None = None, checkpoint: str | None = None,
+                   iteration: int = 0, payload: object = None) -> RetainedFSDP2:
         """This rank's FSDP2 local shards in retained memory (``updater.fsdp2``), the agent's way.
 
         The active trainer of a new job creates the store (bound, tier 2 encoded across the
-        node's ranks, complete) and tells shadows it is ready: training starts at iteration 0.
+        node's ranks, complete; loaded from the distributed checkpoint ``checkpoint``, which
+        continues at ``iteration`` with ``payload``, if given) and tells shadows it is ready.
         A shadow or a cold restart waits until the store is ready and binds views only: nothing
         is written while the active trainer may still train; once promoted, call
         ``RetainedFSDP2.resume()``. ``barrier`` (default: the session's) spans every rank.
@@ -200,9 +207,14 @@ class Session:
         e = self.env
         barrier = barrier or self.barrier
         if self.creates_store:
+            if checkpoint is None and (iteration or payload is not None):
+                raise UsageError(f"an FSDP2 model restarting at iteration {iteration} needs its distributed "
+                                 "checkpoint: pass checkpoint=<the directory RetainedFSDP2.save_checkpoint wrote>")
             bound = create_fsdp2(model, optimizer, config or RetainedConfig(), job_id=e.job_id, rank=e.rank,
                                  node=e.node, local_rank=e.local_rank, n_local=e.local_world_size, barrier=barrier,
                                  payload_fn=payload_fn)
+            if checkpoint is not None:  # before STORE_READY: no shadow attaches to a store being restored
+                bound.load_checkpoint(checkpoint, iteration=iteration, payload=payload)
             self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
             return bound
         self._wait_for_store()
@@ -367,13 +379,6 @@ class _SessionFaults:
 
     def ready_shadow_set(self) -> str:
         return self._session.store.get(SHADOWS_READY).decode()
-
-
-def _refuse_sharded_checkpoint_start(start_iteration: int, payload: object) -> None:
-    if start_iteration or payload is not None:
-        raise UsageError(f"protect(start_iteration={start_iteration}) of an FSDP2 model: a restart from a "
-                         "checkpoint file is not supported for sharded state by Session.protect; start at 0 (an "
-                         "in-place recovery resumes by itself)")
 
 
 class UnsafeCheckpoint(ConfigurationError):
