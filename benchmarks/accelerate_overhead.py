@@ -91,6 +91,17 @@ def run_size(name: str, iterations: int, warmup: int, one_thread_ab: bool = Fals
     return {**{key: statistics.median(v) for key, v in times.items()}, "same": float(same)}
 
 
+def helper_line() -> str:
+    """Whether the transactions' helper thread takes work now (it steps aside on a full run queue)."""
+    import os
+
+    from leto_lightning.updater.page_work import SHARED
+
+    load = os.getloadavg()[0]
+    return (f"transaction helper thread: {SHARED.helpers} ({'in use' if SHARED.active() else 'not in use'}: "
+            f"1-minute load average {load:.2f}, {len(os.sched_getaffinity(0))} CPUs)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,medium,large")
@@ -102,6 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     defaults = {"small": 40, "medium": 20, "large": 6}
     extra = f" {'Leto 1 thread':>14} {'ratio':>7}" if args.one_thread_ab else ""
+    print(helper_line())
     print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7}{extra}  bit-identical")
     for name in args.sizes.split(","):
         n = args.iterations or defaults[name]
@@ -111,6 +123,7 @@ def main() -> None:
         if args.one_thread_ab:
             row += f" {r['leto-1t'] * 1e3:12.1f}ms {r['leto-1t'] / plain:7.3f}"
         print(f"{row}  {bool(r['same'])}", flush=True)
+    print(helper_line())
 
 
 if __name__ == "__main__":

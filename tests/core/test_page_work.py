@@ -73,3 +73,15 @@ def test_same_params_and_checksums_with_and_without_the_helper():
     params1, crcs1 = _train(helpers=1)  # checksums and half the undo copy on the helper
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
     assert torch.equal(crcs0, crcs1)
+
+
+def test_the_default_helper_steps_aside_on_a_full_run_queue(monkeypatch):
+    work = PageWork()  # adaptive
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(cpus), 0.0, 0.0))
+    assert not work.active()  # every CPU already has a runnable process: all work on the caller
+    assert work.run(abs, [-3, -4]) == [3, 4]
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    work._checked_at = -1.0  # the load is read at most once a second
+    assert work.active() == (cpus >= 2)
+    assert PageWork(helpers=1).active()  # explicit: whatever the load

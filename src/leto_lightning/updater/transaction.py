@@ -184,7 +184,7 @@ class ChunkTransactions:
         table[chunk, 1] = MATH_DONE
         # The pages are final: with a helper thread it checksums them while this one folds the
         # deltas; without one the delta loop checksums each page while it is in cache.
-        sums_job = self.work.submit(page_sum, plan.page_tensors) if self.work.helpers else None
+        sums_job = self.work.submit(page_sum, plan.page_tensors) if self.work.active() else None
         sums = self._tier1_delta(plan, with_sums=sums_job is None)
         table[chunk, 1] = TIER1_DONE
         point("chunk.tier1_done", chunk=chunk)
