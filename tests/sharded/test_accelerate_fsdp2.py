@@ -7,9 +7,10 @@
 - ``mixed_precision='bf16'``: bit-identical to plain, the retained master shards fp32.
 - ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
-- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: five
-  SIGKILLs in one run (inside an update, after a step, mid accumulation, both ranks at once
-  from outside, one more from outside), exit 0, bit-identical to the plain run.
+- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` and under
+  ``leto launch``: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
+  both ranks at once from outside, one more from outside), exit 0, bit-identical to the plain
+  run; under ``leto launch``, the agent's checkpoint fallback after damage beyond parity.
 """
 
 from __future__ import annotations
@@ -212,26 +213,45 @@ def _fault(fid: str, rank: int, where: str, iteration: int, occurrence: int = 1)
             "wait_shadows": True}
 
 
-@pytest.mark.slow  # LETO_LONG=1: about 2 minutes on 2 loaded cores (shadows re-import torch per recovery)
-def test_accelerate_launch_fsdp2_five_kills_bit_identical(tmp_path) -> None:
-    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``: SIGKILLs inside an
-    update (rank 1, a chunk's math done), after a step (rank 0), mid accumulation (rank 1), both
-    ranks at once from outside, one rank from outside: exit 0, every recovery in place, local
-    shards, AdamW state, LR, losses and grad norms bit-identical to plain Accelerate + FSDP2."""
-    reference = tmp_path / "plain"
-    run_forked(reference, "--plain", "--epochs", "4")
-    out, port = tmp_path / "out", free_port()
-    faults = [_fault("update", 1, "chunk.math_done", 2), _fault("between", 0, "accelerate.after_step", 4),
-              _fault("accumulation", 1, "compute.begin", 6, occurrence=2)]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
-           str(port), str(SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.4"]
-    log = tmp_path / "launch.log"
-    with open(log, "w") as f:
+def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tuple[subprocess.Popen, Path]:
+    """The script under ``accelerate launch`` (per-rank agents) or ``leto launch`` (one agent)."""
+    script = [str(SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.4"]
+    if launcher == "accelerate":
+        port = free_port()
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
+               "--main_process_port", str(port), *script]
+    else:
+        cmd = [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir",
+               str(tmp_path / "run"), "--faults", json.dumps(faults), *script]  # the agent sets LETO_FAULTS
+    with open(tmp_path / "launch.log", "w") as f:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(QUIET, LETO_FAULTS=json.dumps(faults)), stdout=f,
                                 stderr=subprocess.STDOUT)
+    if launcher != "accelerate":
+        return proc, tmp_path / "run"
     try:
         wait_for(lambda: any((tmp_path / "leto-runs").glob(f"accelerate-*-{port}")), 120, "the run dir")
-        (run_dir,) = (tmp_path / "leto-runs").glob(f"accelerate-*-{port}")
+    except BaseException:
+        stop(proc)
+        raise
+    (run_dir,) = (tmp_path / "leto-runs").glob(f"accelerate-*-{port}")
+    return proc, run_dir
+
+
+@pytest.mark.slow  # LETO_LONG=1: about 2 minutes each on 2 loaded cores (shadows re-import torch per recovery)
+@pytest.mark.parametrize("launcher", ["accelerate", "leto"])
+def test_fsdp2_five_kills_bit_identical(launcher: str, tmp_path) -> None:
+    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` (per-rank agents) and
+    ``leto launch``: SIGKILLs inside an update (rank 1, a chunk's math done), after a step (rank
+    0), mid accumulation (rank 1), both ranks at once from outside, one rank from outside: exit
+    0, every recovery in place, local shards, AdamW state, LR, losses and grad norms
+    bit-identical to plain Accelerate + FSDP2."""
+    reference = tmp_path / "plain"
+    run_forked(reference, "--plain", "--epochs", "4")
+    out, log = tmp_path / "out", tmp_path / "launch.log"
+    faults = [_fault("update", 1, "chunk.math_done", 2), _fault("between", 0, "accelerate.after_step", 4),
+              _fault("accumulation", 1, "compute.begin", 6, occurrence=2)]
+    proc, run_dir = _start(launcher, tmp_path, out, faults)
+    try:
         wait_for(lambda: recoveries(run_dir) >= 3, 300, "the three injected faults' recoveries")
         rng = random.Random(14)
         kills = [kill_from_outside(run_dir, out, (0, 1), 8, rng), kill_from_outside(run_dir, out, (1,), 11, rng)]
