@@ -79,14 +79,15 @@ def fault_free(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
 
 
 def _faults(seed: int) -> tuple[int, list[dict]]:
-    """Seeded: rank 1 frozen (SIGSTOP) as an iteration's compute begins (the test then wipes its
-    shard and SIGKILLs both ranks); later both ranks killed mid-update at once, each once a
+    """Seeded: both ranks frozen (SIGSTOP) as an iteration's compute begins (the test then wipes
+    rank 1's shard and SIGKILLs both); later both ranks killed mid-update at once, each once a
     fresh shadow set is ready (a long job's steady state); then one rank killed mid-update while
     the next shadow set is still starting (an iteration after that recovery): a cold restart."""
     rng = random.Random(seed)
     frozen_at, both_at = rng.randint(1, 2), rng.randint(5, 6)
-    steady = [
+    steady = [  # frozen before the forward: neither waits in a collective meanwhile
         {"id": 0, "rank": 1, "iteration": frozen_at, "point": "compute.begin", "signal": int(signal.SIGSTOP)},
+        {"id": 4, "rank": 0, "iteration": frozen_at, "point": "compute.begin", "signal": int(signal.SIGSTOP)},
         {"id": 1, "rank": 0, "iteration": both_at, "point": "chunk.math_done", "occurrence": rng.randint(1, 8)},
         {"id": 2, "rank": 1, "iteration": both_at, "point": "chunk.tier1_partial", "occurrence": rng.randint(1, 8)},
     ]
@@ -111,16 +112,19 @@ def _wipe_shard(job_id: str, rank: int) -> int:
         store.close()
 
 
-def _destroy_frozen_rank(proc: subprocess.Popen, run_dir: Path) -> int:
-    """Once rank 1 froze: its retained shard overwritten, then both trainers SIGKILLed (rank 0
-    waits for rank 1 in FSDP2's first all-gather)."""
-    wait_for(lambda: 1 in _trainers(run_dir, 0) and stopped(_trainers(run_dir, 0)[1]), 180, "rank 1 to freeze")
+def _destroy_frozen_ranks(run_dir: Path) -> int:
+    """Once both trainers froze: rank 1's retained shard overwritten, then both SIGKILLed."""
+    def frozen() -> bool:
+        pids = _trainers(run_dir, 0)
+        return len(pids) == WORLD and all(stopped(pid) for pid in pids.values())
+
+    wait_for(frozen, 300, "both trainers to freeze")
     (job_id,) = [e["job_id"] for e in iter_events(run_dir) if e["event"] == "job_started"]
     protected = _wipe_shard(job_id, 1)
     for rank in (1, 0):
         try:
             os.kill(_trainers(run_dir, 0)[rank], signal.SIGKILL)
-        except ProcessLookupError:  # the agent, seeing rank 1 dead, already stopped rank 0
+        except ProcessLookupError:  # the agent, seeing rank 1 dead, already killed rank 0
             pass
     return protected
 
@@ -134,7 +138,7 @@ def test_hofs_and_a_destroyed_shard_recover_in_place_bit_identical(tmp_path, tmp
     proc = start(tmp_path, ITERATIONS, faults=faults, script=PLAIN_FSDP2)
     try:
         plain = plain_run(tmp_path_factory.getbasetemp())
-        protected = _destroy_frozen_rank(proc, tmp_path)
+        protected = _destroy_frozen_ranks(tmp_path)
     except BaseException:
         stop(proc)
         raise

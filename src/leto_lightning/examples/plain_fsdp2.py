@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     session = None
     if under_launcher(os.environ):
         session = leto.init()  # shadows at L1/L2 wait here
-        session.init_process_group("gloo")
+        # A stalled peer is the agent's to detect (its heartbeat timeout), not gloo's
+        session.init_process_group("gloo", timeout=300.0)
     else:
         dist.init_process_group("gloo")  # torchrun's environment (env://)
     rank = dist.get_rank()
