@@ -7,8 +7,8 @@
 - ``mixed_precision='bf16'``: bit-identical to plain, the retained master shards fp32.
 - ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
-- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` and under
-  ``leto launch``: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
+- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``, ``leto
+  launch`` and torchrun: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
   both ranks at once from outside, one more from outside), exit 0, bit-identical to the plain
   run; under ``leto launch``, the agent's checkpoint fallback after damage beyond parity.
 """
@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from leto_lightning.errors import ConfigurationError
+from leto_lightning.runtime.contract import FAULTS, JOB_ID, RESUME, ROLE, RUN_DIR
 from leto_lightning.runtime.events import read_events
 from leto_lightning.testing.launched import LaunchedRun, free_port, leftovers, stop, wait_for
 
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(acc_fsdp2_train.__file__)
 CONFIG = ROOT / "configs" / "accelerate" / "leto-fsdp2.yaml"
 WORLD = 2
-_CLEAR = ("LETO_ROLE", "LETO_RUN_DIR", "LETO_FAULTS", "LETO_RESUME", "LETO_JOB_ID", "TORCHELASTIC_RUN_ID",
+_CLEAR = (ROLE, RUN_DIR, FAULTS, RESUME, JOB_ID, "TORCHELASTIC_RUN_ID",
           "ACCELERATE_USE_FSDP", "FSDP_VERSION")
 
 
@@ -214,9 +215,13 @@ def _fault(fid: str, rank: int, where: str, iteration: int, occurrence: int = 1)
 
 
 def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tuple[subprocess.Popen, Path]:
-    """The script under ``accelerate launch`` (per-rank agents) or ``leto launch`` (one agent)."""
+    """The script under ``accelerate launch`` or torchrun (per-rank agents), or ``leto launch``."""
     script = [str(SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.4"]
-    if launcher == "accelerate":
+    env = dict(QUIET, **{FAULTS: json.dumps(faults)})
+    if launcher == "torchrun":
+        env[RUN_DIR] = str(tmp_path / "run")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
+    elif launcher == "accelerate":
         port = free_port()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
                "--main_process_port", str(port), *script]
@@ -224,8 +229,7 @@ def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tupl
         cmd = [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir",
                str(tmp_path / "run"), "--faults", json.dumps(faults), *script]  # the agent sets LETO_FAULTS
     with open(tmp_path / "launch.log", "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(QUIET, LETO_FAULTS=json.dumps(faults)), stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
     if launcher != "accelerate":
         return proc, tmp_path / "run"
     try:
@@ -238,10 +242,10 @@ def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tupl
 
 
 @pytest.mark.slow  # LETO_LONG=1: about 2 minutes each on 2 loaded cores (shadows re-import torch per recovery)
-@pytest.mark.parametrize("launcher", ["accelerate", "leto"])
+@pytest.mark.parametrize("launcher", ["accelerate", "leto", "torchrun"])
 def test_fsdp2_five_kills_bit_identical(launcher: str, tmp_path) -> None:
-    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` (per-rank agents) and
-    ``leto launch``: SIGKILLs inside an update (rank 1, a chunk's math done), after a step (rank
+    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` and torchrun (per-rank
+    agents), ``leto launch`` (one agent): SIGKILLs inside an update (rank 1, a chunk's math done), after a step (rank
     0), mid accumulation (rank 1), both ranks at once from outside, one rank from outside: exit
     0, every recovery in place, local shards, AdamW state, LR, losses and grad norms
     bit-identical to plain Accelerate + FSDP2."""
