@@ -148,8 +148,17 @@ def build_accelerator(args: argparse.Namespace, out: str) -> Any:
         trackers.append("wandb")
     common = dict(gradient_accumulation_steps=args.accumulation, log_with=trackers, project_dir=out)
     if args.plain:  # without CUDA, cpu=True is what makes a MULTI_GPU launch train on gloo
-        return Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
-                           **common)
+        accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+                                  **common)
+        if accelerator.distributed_type == "MULTI_CPU" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+            # an FSDP config (configs/accelerate/leto-fsdp2.yaml) on CPU: Accelerate dropped the
+            # plugin; put its FSDP2 path back as LetoAccelerator does
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            from leto_lightning.integrations.accelerate.fsdp2 import fsdp2_on_cpu
+
+            fsdp2_on_cpu(accelerator, FullyShardedDataParallelPlugin())
+        return accelerator
     from leto_lightning.accelerate import LetoAccelerator, LetoConfig
 
     leto = LetoConfig(page_bytes=args.page_bytes, data_pages=4, tier1_parity=1, tier2_parity=1,
@@ -220,10 +229,21 @@ def train(args: argparse.Namespace, accelerator: Any, model: Any, opt: Any, load
 
 def save_final(accelerator: Any, model: Any, opt: Any, sched: Any, ema: EMA | None, out: str) -> None:
     inner = accelerator.unwrap_model(model)
-    state = {"params": {n: p.detach().clone() for n, p in inner.named_parameters()},
-             "optimizer": opt.state_dict(), "lr": sched.get_last_lr(), "step": accelerator.step,
+    state = {"params": {n: _local(p.detach()) for n, p in inner.named_parameters()},
+             "optimizer": _local(opt.state_dict()), "lr": sched.get_last_lr(), "step": accelerator.step,
              "ema": ema.state_dict() if ema is not None else None}
     torch.save(state, os.path.join(out, f"final_rank{accelerator.process_index}.pt"))
+
+
+def _local(state: Any) -> Any:
+    """Copies that own their storage; under FSDP2 a DTensor becomes its local shard (this rank's rows)."""
+    if isinstance(state, torch.Tensor):
+        return (state.to_local() if hasattr(state, "to_local") else state).detach().clone()
+    if isinstance(state, dict):
+        return {k: _local(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_local(v) for v in state]
+    return state
 
 
 if __name__ == "__main__":
