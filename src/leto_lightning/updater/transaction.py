@@ -17,7 +17,6 @@ bit-identical to an uninterrupted update.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,27 +42,11 @@ from ..retained.store import (
     RetainedStore,
 )
 from .chunk_math import ChunkPieces, apply_update
-from .page_work import SHARED, Job, PageWork
 
 
 def to_i64(value: int) -> int:
     """Store an unsigned 64-bit checksum in an int64 table."""
     return value - (1 << 64) if value >= (1 << 63) else value
-
-
-def page_sum(page: torch.Tensor) -> int:
-    """A page's checksum as the int64 the tables hold."""
-    return to_i64(checksum(page))
-
-
-def copy_pair(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """``dst.copy_(src)`` of two equal byte pages; host pages by ``memmove`` (releases the GIL and,
-    unlike a torch copy on a helper thread, never starts an OpenMP team there)."""
-    dst, src = pair
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
-    else:
-        dst.copy_(src)
 
 
 def settle(tensor: torch.Tensor) -> None:
@@ -102,8 +85,6 @@ class ChunkTransactions:
         self.meta = Metadata(store)
         self._head = np.zeros(store.spec.undo_header_words, dtype=np.int64)  # the next undo header, built here
         self._plans: dict[int, ChunkPlan] = {}
-        # A helper thread for the undo copy and checksums (page_work.py); device pages: none.
-        self.work = SHARED if store.pages.device.type == "cpu" else PageWork(helpers=0)
         # Rollback window (manual optimization): records of an iteration stay "open" until the
         # caller seals it; recovery rolls an open iteration back instead of forward.
         self.open_records = False
@@ -153,16 +134,16 @@ class ChunkTransactions:
     def protect_grads(self) -> None:
         """Checksum the retained gradients and (optionally) re-encode their tier-1 parity."""
         store, lay = self.store, self.layout
-        regions = [lay.region(seg.index, GRAD) for seg in lay.segments]
-        grads = [p for r in regions for p in range(r.first_page, r.first_page + r.n_pages)]
-        sums = self.work.submit(page_sum, [store.pages[p] for p in grads])  # the helper starts on them
+        for seg in lay.segments:
+            r = lay.region(seg.index, GRAD)
+            for p in range(r.first_page, r.first_page + r.n_pages):
+                store.crcs[p] = to_i64(checksum(store.pages[p]))
+        self.meta.seal_grads()
         if self.codes.tier1 is not None and store.config.protect_grads:
             plan = store.spec.tier1
             for g in plan.grad_groups():
                 pages = plan.groups[g]
                 self.codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
-        self._crcs[grads] = sums.wait()
-        self.meta.seal_grads()
 
     # -- one chunk -----------------------------------------------------------------------
     def run_chunk(self, chunk: int, iteration: int, hparams: Sequence[dict], skip: frozenset = frozenset()) -> None:
@@ -182,16 +163,13 @@ class ChunkTransactions:
         apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
         point("chunk.math_done", chunk=chunk)
         table[chunk, 1] = MATH_DONE
-        # The pages are final: with a helper thread it checksums them while this one folds the
-        # deltas; without one the delta loop checksums each page while it is in cache.
-        sums_job = self.work.submit(page_sum, plan.page_tensors) if self.work.active() else None
-        sums = self._tier1_delta(plan, with_sums=sums_job is None)
+        sums = self._tier1_delta(plan)
         table[chunk, 1] = TIER1_DONE
         point("chunk.tier1_done", chunk=chunk)
         self._tier2_delta(plan)
         table[chunk, 1] = TIER2_DONE
         point("chunk.tier2_done", chunk=chunk)
-        self._crcs[plan.pages] = _chunk_sums(plan, sums, sums_job)
+        self._crcs[plan.pages] = sums if sums is not None else [to_i64(checksum(t)) for t in plan.page_tensors]
         table[chunk, 1] = CHECKSUMMED
         point("chunk.checksummed", chunk=chunk)
         table[chunk, 0] = iteration + 1
@@ -208,7 +186,8 @@ class ChunkTransactions:
 
     def _save_undo(self, plan: ChunkPlan, iteration: int) -> None:
         store = self.store
-        self.work.run(copy_pair, plan.undo_halves)  # this thread and the helper, half pages each
+        for dst, src in plan.undo_copies:
+            dst.copy_(src)
         settle(plan.undo_pages[0] if plan.undo_pages else store.undo)
         n_pages, n_pieces, first = len(plan.pages), plan.n_pieces, plan.first_piece
         head = self._head
@@ -220,23 +199,22 @@ class ChunkTransactions:
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
-    def _tier1_delta(self, plan: ParityDeltas, with_sums: bool = True) -> list[int] | None:
+    def _tier1_delta(self, plan: ParityDeltas) -> list[int] | None:
         """Fold each page's change into its tier-1 parity; returns the pages' new checksums
-        (None without tier 1 or ``with_sums``). Why here: a page is final once the math is done,
-        and checksumming it right after its delta reads it while it is still in cache (a separate
-        pass later read every page of the chunk from memory again). The caller records them at
-        the same protocol point as before (after the tier-2 delta, before the commit mark)."""
+        (None without tier 1). Why here: a page is final once the math is done, and checksumming
+        it right after its delta reads it while it is still in cache (a separate pass later read
+        every page of the chunk from memory again). The caller records them at the same protocol
+        point as before (after the tier-2 delta, before the commit mark)."""
         code = self.codes.tier1
         if code is None or not plan.tier1:
             return None
         sums = []
         for i, (old, new, column, parity) in enumerate(plan.tier1):
             code.apply_delta(column, old, new, parity, self._scratch)
-            if with_sums:
-                sums.append(page_sum(new))
+            sums.append(to_i64(checksum(new)))
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
-        return sums if with_sums else None
+        return sums
 
     def _tier2_delta(self, plan: ParityDeltas) -> None:
         code = self.codes.tier2
@@ -248,13 +226,6 @@ class ChunkTransactions:
                 code.apply_delta(column, old, new, parity, self._scratch)
                 if i == 0:
                     point("chunk.tier2_partial", page=plan.pages[0])
-
-
-def _chunk_sums(plan: ChunkPlan, sums: list[int] | None, job: Job | None) -> list[int]:
-    """The chunk's new page checksums: from the helper's job, the delta loop, or a pass now."""
-    if job is not None:
-        return job.wait()
-    return sums if sums is not None else [page_sum(t) for t in plan.page_tensors]
 
 
 class ParityDeltas(Protocol):
@@ -277,7 +248,6 @@ class ChunkPlan:
     page_tensors: list[torch.Tensor]
     undo_pages: list[torch.Tensor]
     undo_copies: list[tuple[torch.Tensor, torch.Tensor]]
-    undo_halves: list[tuple[torch.Tensor, torch.Tensor]]  # (undo, page) halves: two threads share the copy
     tier1: list[tuple]
     tier2: list[tuple]
     first_piece: int
@@ -309,12 +279,8 @@ class ChunkPlan:
         pieces = [(param, views[kinds[0]][a:b], grads[a:b], store.steps[first + j],
                    {k: views[k][a:b] for k in kinds[1:]})
                   for j, (param, a, b) in enumerate(lay.chunk_pieces[chunk])]
-        half = lay.page_bytes // 2
-        halves = [(undo[i][a:b], store.pages[p][a:b]) for i, p in enumerate(pages)
-                  for a, b in ((0, half), (half, lay.page_bytes))]
         return cls(chunk, lay.segments[seg].group, pages, [store.pages[p] for p in pages],
-                   [undo[i] for i in range(len(pages))], copies, halves, tier1, tier2, first, len(pieces), pieces,
-                   kinds[1:])
+                   [undo[i] for i in range(len(pages))], copies, tier1, tier2, first, len(pieces), pieces, kinds[1:])
 
     def pieces_for(self, skip: frozenset) -> ChunkPieces:
         """The optimizer's view of the chunk; params without a gradient this step left out."""
