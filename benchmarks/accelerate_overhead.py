@@ -9,6 +9,11 @@ from the same weights on the same batches, interleaved (A, B, A, B, ...) so drif
 machine's speed hits both; the per-iteration medians and their ratio are printed, and the final
 weights are checked bit-identical. Accelerate's state is one per process, so both accelerators
 share it (``cpu=True``).
+
+The update columns time ``opt.step()`` alone and ``upd. only`` is (median Leto update - median
+plain update) / median plain iteration: the part of the overhead that is the update, with the
+forward/backward noise of a shared machine left out (at the large size 6 iterations of ~5 s
+steps vary by several per cent, more than the target).
 """
 
 from __future__ import annotations
@@ -44,18 +49,22 @@ class Trainer:
         self.model, self.opt = accelerator.prepare(model, opt)
         self.vocab = cfg.vocab_size
 
-    def step(self, batch: torch.Tensor) -> float:
+    def step(self, batch: torch.Tensor) -> tuple[float, float]:
+        """Seconds for the whole iteration and for ``opt.step()`` alone."""
         t0 = time.perf_counter()
         logits, aux = self.model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + 0.01 * aux
         self.acc.backward(loss)
         self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
+        t1 = time.perf_counter()
         self.opt.step()
+        t2 = time.perf_counter()
         self.opt.zero_grad()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, t2 - t1
 
 
-def run_size(name: str, iterations: int, warmup: int) -> tuple[float, float, bool]:
+def run_size(name: str, iterations: int, warmup: int) -> tuple[dict[str, float], dict[str, float], bool]:
+    """Medians per trainer ("plain", "leto") of the iteration and of the update, and bit-identity."""
     from accelerate import Accelerator
 
     from leto_lightning.accelerate import LetoAccelerator, LetoConfig
@@ -67,15 +76,18 @@ def run_size(name: str, iterations: int, warmup: int) -> tuple[float, float, boo
     leto = Trainer(leto_acc, cfg)
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {"plain": [], "leto": []}
+    updates: dict[str, list[float]] = {"plain": [], "leto": []}
     for it in range(warmup + iterations):
         batch_t = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
         for key, trainer in (("plain", plain), ("leto", leto)) if it % 2 == 0 else (("leto", leto), ("plain", plain)):
-            dt = trainer.step(batch_t)
+            dt, du = trainer.step(batch_t)
             if it >= warmup:
                 times[key].append(dt)
+                updates[key].append(du)
     same = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), leto.model.parameters()))
     leto_acc.end_training()  # frees the retained memory
-    return statistics.median(times["plain"]), statistics.median(times["leto"]), same
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return medians, {k: statistics.median(v) for k, v in updates.items()}, same
 
 
 def main() -> None:
@@ -86,11 +98,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"small": 40, "medium": 20, "large": 6}
-    print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7}  bit-identical")
+    print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7}  {'update: plain':>13} "
+          f"{'Leto':>8} {'upd. only':>9}  bit-identical")
     for name in args.sizes.split(","):
         n = args.iterations or defaults[name]
-        plain, leto, same = run_size(name, n, warmup=2)
-        print(f"{name:8} {plain * 1e3:10.1f}ms {leto * 1e3:14.1f}ms {leto / plain:7.3f}  {same}", flush=True)
+        total, update, same = run_size(name, n, warmup=2)
+        plain, leto = total["plain"], total["leto"]
+        upd_only = (update["leto"] - update["plain"]) / plain
+        print(f"{name:8} {plain * 1e3:10.1f}ms {leto * 1e3:14.1f}ms {leto / plain:7.3f}  "
+              f"{update['plain'] * 1e3:11.1f}ms {update['leto'] * 1e3:6.1f}ms {upd_only * 100:+8.2f}%  {same}",
+              flush=True)
 
 
 if __name__ == "__main__":
