@@ -37,8 +37,8 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, ParamSlot
 from ..retained.shards import LocalShard, shard_layout
 from ..retained.store import RetainedStore, StoreSpec
-from .fsdp2_state import Restore, RetainedShardState, detached_copy, encode_node_parity
-from .retained_optimizer import RetainedOptimizer, hyperparameters, optimizer_family
+from .fsdp2_state import Restore, RetainedShardState, detached_copy
+from .retained_optimizer import RetainedOptimizer, encode_node_tier2, hyperparameters, optimizer_family
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))  # [low, high): the versions whose FSDP2 internals this was tested on
 # (owner, attribute): what this module reads or re-points.
@@ -378,7 +378,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
         raise UsageError(f"retained memory of job {job_id!r} rank {rank} already exists: attach to it "
                          "(attach_fsdp2), or free it (`leto cleanup`) to start over") from None
     bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False)
-    encode_node_parity(store, barrier)
+    encode_node_tier2(store, barrier)
     store.mark_complete()
     return bound
 

@@ -22,7 +22,7 @@ Inside ``RetainedShardState.restoring()`` the store is marked incomplete for the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.layout import GRAD, PARAM, ParamSlot
-from ..retained.store import RetainedStore
-from .retained_optimizer import RetainedOptimizer, encode_all, encode_tier2
-from .transaction import ParityCodes
+from .retained_optimizer import RetainedOptimizer, encode_all, encode_node_tier2
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +203,7 @@ class RetainedShardState:
         encode_all(store, ro.txn.codes)
         ro.txn.commit(iteration - 1, restore.payload)
         ro.iteration, ro.boundary_payload = iteration, restore.payload
-        encode_node_parity(store, ro.barrier)
+        encode_node_tier2(store, ro.barrier)
         store.mark_complete()
         log.info("rank %d: retained FSDP2 shards initialised from loaded state at iteration %d",
                  store.spec.rank, iteration)
@@ -226,23 +224,3 @@ def detached_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(detached_copy(v) for v in value)
     return value
-
-
-def encode_node_parity(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
-    """Tier 2 spans the node's ranks: once every local rank's pages hold their values, local
-    rank 0 encodes the stripes from all of them (each rank keeps them current by deltas)."""
-    spec = store.spec
-    if not spec.tier2.enabled:
-        return
-    if barrier is None:
-        raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
-    barrier()
-    if spec.local_rank == 0:
-        first = spec.rank - spec.local_rank
-        peers = [RetainedStore.attach(spec.job_id, first + i) for i in range(1, spec.n_local)]
-        try:
-            encode_tier2([store, *peers], ParityCodes(store))
-        finally:
-            for peer in peers:
-                peer.close()
-    barrier()

@@ -372,3 +372,30 @@ def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
     for p, s in enumerate(first.spec.tier2.page_stripe):
         if s >= 0:
             codes.tier2.encode([st.pages[p] for st in stores], first.tier2_parity(int(s)))
+
+
+def encode_node_tier2(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
+    """Tier 2 spans the node's ranks: once every local rank's pages hold their values (all
+    bound), local rank 0 encodes the stripes from all of them; each rank keeps them current by
+    deltas afterwards. Every local rank calls this; ``barrier`` spans the node's ranks."""
+    spec = store.spec
+    if not spec.tier2.enabled:
+        return
+    if barrier is None:
+        if spec.n_local > 1:
+            raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
+        barrier = _no_barrier
+    barrier()
+    if spec.local_rank == 0:
+        first = spec.rank - spec.local_rank
+        peers = [RetainedStore.attach(spec.job_id, first + i) for i in range(1, spec.n_local)]
+        try:
+            encode_tier2([store, *peers], ParityCodes(store))
+        finally:
+            for peer in peers:
+                peer.close()
+    barrier()
+
+
+def _no_barrier() -> None:
+    """One local rank: nothing to wait for."""

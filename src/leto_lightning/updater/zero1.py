@@ -39,8 +39,7 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import StoreLayout
 from ..retained.owned import OwnedParam, owned_layout
 from ..retained.store import RetainedStore, StoreSpec
-from .retained_optimizer import RetainedOptimizer, encode_tier2, hyperparameters, optimizer_family
-from .transaction import ParityCodes
+from .retained_optimizer import RetainedOptimizer, encode_node_tier2, hyperparameters, optimizer_family
 
 __all__ = ["Partition", "RetainedZeRO1", "attach_zero1", "check_zero1", "create_zero1", "partition",
            "zero1_layout"]
@@ -192,7 +191,7 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
                          "(attach_zero1), or free it (`leto cleanup`) to start over") from None
     bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
     bound.bind(adopt=False)
-    encode_node_parity(store, barrier)
+    encode_node_tier2(store, barrier)
     store.mark_complete()
     return bound
 
@@ -221,21 +220,3 @@ def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callabl
     # The retained gradients are the last committed iteration's: the next one accumulates from zero.
     bound.zero_grad()
     return bound
-
-
-def encode_node_parity(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
-    """Once every local rank is bound, local rank 0 encodes the node's tier-2 stripes."""
-    spec = store.spec
-    if not spec.tier2.enabled:
-        return
-    assert barrier is not None  # checked by create_zero1
-    barrier()
-    if spec.local_rank == 0:
-        peers = [RetainedStore.attach(spec.job_id, spec.rank - spec.local_rank + i) for i in range(1, spec.n_local)]
-        try:
-            encode_tier2([store, *peers], ParityCodes(store))
-        finally:
-            for peer in peers:
-                peer.close()
-    barrier()
-

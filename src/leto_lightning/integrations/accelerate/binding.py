@@ -28,8 +28,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
-from ...updater.transaction import ParityCodes
+from ...updater.retained_optimizer import RetainedOptimizer, encode_node_tier2, layout_for
 
 
 def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str, ranks: dict[str, int],
@@ -49,7 +48,7 @@ def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str
             f"{job_id!r})) to start over") from None
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
     ro.bind(adopt=False)
-    encode_node_parity(store, ranks, barrier)
+    encode_node_tier2(store, barrier)
     if hasattr(store, "mark_complete"):
         store.mark_complete()
     return ro
@@ -62,25 +61,6 @@ def attach(optimizer: torch.optim.Optimizer, job_id: str, rank: int, barrier: Ca
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
     ro.bind(adopt=True, resume=False)
     return ro
-
-
-def encode_node_parity(store: RetainedStore, ranks: dict[str, int], barrier: Callable[[], None] | None) -> None:
-    """Tier 2 spans the node's ranks: once every local rank bound its store, local rank 0 encodes
-    the stripes from all of them (each rank keeps them current by deltas afterwards)."""
-    if not store.spec.tier2.enabled:
-        return
-    if barrier is not None:
-        barrier()
-    if ranks["local_rank"] == 0:
-        first = ranks["rank"] - ranks["local_rank"]
-        peers = [RetainedStore.attach(store.spec.job_id, first + i) for i in range(1, ranks["local_world_size"])]
-        try:
-            encode_tier2([store, *peers], ParityCodes(store))
-        finally:
-            for peer in peers:
-                peer.close()
-    if barrier is not None:
-        barrier()
 
 
 def agreed_job_id(world_size: int) -> str:

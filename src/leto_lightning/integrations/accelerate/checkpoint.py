@@ -46,7 +46,7 @@ import torch
 from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
 
 from ...errors import ConfigurationError, UsageError
-from .binding import encode_node_parity
+from ...updater.retained_optimizer import encode_node_tier2
 from .payload import ResumableAccelerator, capture
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callab
     iteration = int(saved["iteration"]) if saved is not None else 0
     payload = _new_job_payload(saved)
     ro.bind(adopt=False, iteration=iteration, payload=payload)  # the new-store path: copy in, encode, commit
-    encode_node_parity(ro.store, acc._ranks(), acc._barrier())
+    encode_node_tier2(ro.store, acc._barrier())
     ro.store.mark_complete()
     _loaded(acc, directory, iteration, payload)
     return result

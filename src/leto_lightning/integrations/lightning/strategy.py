@@ -37,8 +37,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.store import RetainedStore, StoreSpec
 from ...runtime.link import RuntimeLink
-from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_tier2
-from ...updater.transaction import ParityCodes
+from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_node_tier2
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
@@ -222,7 +221,7 @@ class LetoStrategy(DDPStrategy):
             # Checksums and parity of a new store describe what the broadcast left, not the
             # rank's own initial weights it replaced.
             encode_all(ro.store, ro.txn.codes)
-            self._encode_node_parity(ro.store)
+            encode_node_tier2(ro.store, lambda: self.barrier("leto-stores-bound"))
             ro.store.mark_complete()  # set-up done: recovery may trust the store from here on
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
@@ -284,23 +283,6 @@ class LetoStrategy(DDPStrategy):
         self._file_checkpoint = ckpt
         return int(ckpt.get("global_step", 0)), file_payload(ckpt)
 
-    def _encode_node_parity(self, store: RetainedStore) -> None:
-        """Tier 2 spans the node's ranks: once every local rank has bound its store, local rank
-        0 encodes the stripes from all of them (each rank then keeps them current by deltas)."""
-        if not store.spec.tier2.enabled:
-            return
-        self.barrier("leto-stores-bound")
-        if self.local_rank == 0:
-            first = self.global_rank - self.local_rank
-            peers = [RetainedStore.attach(store.spec.job_id, first + i) for i in range(1, self.num_processes)]
-            try:
-                encode_tier2([store, *peers], ParityCodes(store))
-            finally:
-                for peer in peers:
-                    peer.close()
-        self.barrier("leto-tier2-encoded")
-
-    # -- the step ----------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
