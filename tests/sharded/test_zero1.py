@@ -199,7 +199,6 @@ def test_refusals_name_the_value_and_the_fix(tmp_path):
     assert "before its first step" in found["stepped"], found["stepped"]
     assert "manual optimization" in found["lightning manual"] and "automatic_optimization=True" in found[
         "lightning manual"], found
-    assert "`leto launch`" in found["lightning launch"] and "torchrun" in found["lightning launch"], found
     assert "rollback_window=False" in found["accelerate rollback"], found
 
 
@@ -227,8 +226,7 @@ def _refusals(rendezvous: str) -> dict[str, str]:
         stepped.step()
         found["stepped"] = message(lambda: create_zero1(stepped, RetainedConfig(), job_id=new_job_id()), UsageError)
         zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW)
-        found["lightning manual"] = message(lambda: zero1_partition(zero, net, manual=True, under_launcher=False))
-        found["lightning launch"] = message(lambda: zero1_partition(zero, net, manual=False, under_launcher=True))
+        found["lightning manual"] = message(lambda: zero1_partition(zero, net, manual=True))
         found["accelerate rollback"] = message(lambda: accelerate_zero1.bind(
             zero, RetainedConfig(), new_job_id(), {}, False, None, lambda: None, {}, under_launcher=False,
             rollback_window=True))

@@ -211,6 +211,7 @@ class LetoStrategy(DDPStrategy):
             assert self.runtime is not None  # SHADOW: under leto launch
             self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
             self.resume_payload = ro.resume()
+            after_adopt(ro)  # ZeRO-1: the owners' views are final now; replicas from them before the first forward
             self.logs.continue_from(trainer, self.resume_payload)
             return
         if mode is FitMode.FROM_RETAINED:
@@ -243,14 +244,15 @@ class LetoStrategy(DDPStrategy):
         manual = not module.automatic_optimization
         if self.fit_state.mode is FitMode.NONE:  # a fit the launcher did not see (no resolve_fit_ckpt_path)
             self.fit_state.begin(FitMode.FRESH)
-        split = zero1_partition(optimizer, module, manual=manual, under_launcher=self.runtime is not None)  # ZeRO-1
+        split = zero1_partition(optimizer, module, manual=manual)  # ZeRO-1
         if self.fit_state.mode.from_retained_memory:
             if self.runtime is not None:
                 self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
             store = RetainedStore.attach(self.job_id, self.global_rank)
             ro = retained_for(optimizer, store, prepare_barrier(self), payload, manual, split)
             ro.bind(adopt=True, resume=False)  # views only: resume() once promoted (configure_ddp)
-            after_adopt(ro)  # ZeRO-1: replicas from the owners, before DDP's broadcast from rank 0
+            if self.fit_state.mode is FitMode.FROM_RETAINED:  # a shadow refreshes once promoted (configure_ddp)
+                after_adopt(ro)  # ZeRO-1: replicas from the owners, before DDP's broadcast from rank 0
         else:
             iteration, self.resume_payload = self._load_checkpoint_file(trainer, optimizer)
             config = self.retained_config

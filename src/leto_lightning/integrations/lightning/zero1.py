@@ -3,7 +3,12 @@
 The strategy binds it through ``updater.zero1``: each rank's store holds the params it owns,
 their grads and optimizer state; the step is ZeRO's (the owned shard's chunk transactions, then
 the owners' broadcast). Resuming from retained memory, every replica is refreshed from its
-owner *before* the DDP wrap, whose broadcast from rank 0 then writes the values each rank holds.
+owner (``after_adopt``) before the first forward: a restart (``ckpt_path="leto://retained"``, or
+``LETO_RESUME=retained`` under ``leto launch``) refreshes *before* the DDP wrap, whose broadcast
+from rank 0 then writes the values each rank holds; a shadow under ``leto launch`` binds views
+only and refreshes once promoted (its DDP wrap broadcasts nothing): before promotion the owners'
+views are still being written by the active trainers, and the broadcast is over the shadows'
+own process group, which is the job's once they are promoted.
 """
 
 from __future__ import annotations
@@ -21,8 +26,7 @@ from ...updater.retained_optimizer import RetainedOptimizer, layout_for
 from ...updater.zero1 import Partition, RetainedZeRO1, partition, zero1_layout
 
 
-def zero1_partition(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *, manual: bool,
-                    under_launcher: bool) -> Partition | None:
+def zero1_partition(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *, manual: bool) -> Partition | None:
     """Who owns which param (a collective), or None for a plain optimizer."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return None
@@ -30,9 +34,6 @@ def zero1_partition(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *
         raise ConfigurationError("ZeroRedundancyOptimizer with manual optimization: LetoStrategy retains ZeRO-1 "
                                  "state in automatic optimization only; set automatic_optimization=True or use "
                                  "a plain torch.optim optimizer")
-    if under_launcher:
-        raise ConfigurationError("ZeroRedundancyOptimizer under `leto launch` (shadows, promotion) is not supported "
-                                 "yet: start the ranks with torchrun, or use a plain torch.optim optimizer")
     return partition(optimizer, {p: n for n, p in module.named_parameters()})
 
 
