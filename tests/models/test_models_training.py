@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import lightning as L
 import pytest
@@ -34,7 +35,10 @@ def _train(steps: int, overrides: tuple[str, ...] = ()) -> tuple[MoELanguageMode
                         enable_progress_bar=False, enable_model_summary=False,
                         deterministic=True, callbacks=[losses], limit_val_batches=0,
                         **recipe.trainer.lightning_kwargs())
-    trainer.fit(module, train)
+    try:
+        trainer.fit(module, train)
+    finally:  # seed_everything exported PL_GLOBAL_SEED: do not leave it to later tests' forked ranks
+        os.environ.pop("PL_GLOBAL_SEED", None)
     return module, losses.values
 
 

@@ -138,6 +138,10 @@ def as_rank(rank: int, port: int) -> None:
     launcher would start it, with one intra-op thread."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    # A forked rank inherits the pytest process's environment: a seed_everything() there (another
+    # test) would make Lightning re-seed this rank from PL_GLOBAL_SEED; a launched rank has none.
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
     torch.set_num_threads(1)
 
 
