@@ -38,7 +38,13 @@ from ..retained.layout import GRAD, PARAM, ParamSlot
 from ..retained.shards import LocalShard, shard_layout
 from ..retained.store import RetainedStore, StoreSpec
 from .fsdp2_state import Restore, RetainedShardState, detached_copy
-from .retained_optimizer import RetainedOptimizer, encode_node_tier2, hyperparameters, optimizer_family
+from .retained_optimizer import (
+    RetainedOptimizer,
+    create_node_store,
+    encode_node_tier2,
+    hyperparameters,
+    optimizer_family,
+)
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))  # [low, high): the versions whose FSDP2 internals this was tested on
 # (owner, attribute): what this module reads or re-points.
@@ -370,13 +376,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                           page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    if spec.tier2.enabled and barrier is None:
-        raise UsageError(f"tier 2 across {n_local} local ranks needs a barrier over the node's ranks")
-    try:
-        store = RetainedStore.create(spec)
-    except FileExistsError:
-        raise UsageError(f"retained memory of job {job_id!r} rank {rank} already exists: attach to it "
-                         "(attach_fsdp2), or free it (`leto cleanup`) to start over") from None
+    store = create_node_store(spec, barrier, attach_with="attach_fsdp2")
     bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False)
     encode_node_tier2(store, barrier)
     store.mark_complete()

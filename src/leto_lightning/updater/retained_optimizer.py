@@ -374,6 +374,19 @@ def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
             codes.tier2.encode([st.pages[p] for st in stores], first.tier2_parity(int(s)))
 
 
+def create_node_store(spec: StoreSpec, barrier: Callable[[], None] | None, attach_with: str) -> RetainedStore:
+    """This rank's new store for ``spec``, refused before any segment exists when tier 2 would
+    need a ``barrier`` it lacks or the store exists already (``attach_with`` names the call that
+    continues from it)."""
+    if spec.tier2.enabled and barrier is None:
+        raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
+    try:
+        return RetainedStore.create(spec)
+    except FileExistsError:
+        raise UsageError(f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: attach to it "
+                         f"({attach_with}), or free it (`leto cleanup`) to start over") from None
+
+
 def encode_node_tier2(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
     """Tier 2 spans the node's ranks: once every local rank's pages hold their values (all
     bound), local rank 0 encodes the stripes from all of them; each rank keeps them current by

@@ -39,7 +39,13 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import StoreLayout
 from ..retained.owned import OwnedParam, owned_layout
 from ..retained.store import RetainedStore, StoreSpec
-from .retained_optimizer import RetainedOptimizer, encode_node_tier2, hyperparameters, optimizer_family
+from .retained_optimizer import (
+    RetainedOptimizer,
+    create_node_store,
+    encode_node_tier2,
+    hyperparameters,
+    optimizer_family,
+)
 
 __all__ = ["Partition", "RetainedZeRO1", "attach_zero1", "check_zero1", "create_zero1", "partition",
            "zero1_layout"]
@@ -182,13 +188,7 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
     layout = zero1_layout(zero, split, config)
     rank = dist.get_global_rank(zero.process_group, zero.rank)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    if spec.tier2.enabled and barrier is None:
-        raise UsageError(f"tier 2 across {n_local} local ranks needs a barrier over the node's ranks")
-    try:
-        store = RetainedStore.create(spec)
-    except FileExistsError:
-        raise UsageError(f"retained memory of job {job_id!r} rank {rank} already exists: attach to it "
-                         "(attach_zero1), or free it (`leto cleanup`) to start over") from None
+    store = create_node_store(spec, barrier, attach_with="attach_zero1")
     bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
     bound.bind(adopt=False)
     encode_node_tier2(store, barrier)
