@@ -157,24 +157,37 @@ def retained_facts(model, optimizer, bound: RetainedFSDP2) -> dict:
 
 def run_ranks(job: Job, timeout: float = 90.0, target: Callable[[Job, int], None] | None = None) -> dict[int, int]:
     """Fork one child per rank running ``target`` (``train``); reap every one by pid. Returns
-    rank -> exit code.
-    When a rank dies by a signal, the others are SIGKILLed (they would wait for it in a collective)."""
+    rank -> exit code."""
+    return fork_ranks(WORLD, lambda rank: (target or train)(job, rank), timeout)
+
+
+def fork_ranks(world: int, fn: Callable[[int], object], timeout: float,
+               error_file: Callable[[int], str] | None = None) -> dict[int, int]:
+    """Fork one child per rank running ``fn(rank)``: exit 0, or 1 after printing the traceback
+    (also written to ``error_file(rank)`` when given). Every child reaped by pid (``reap``);
+    returns rank -> exit code."""
     pids = {}
-    for rank in range(WORLD):
+    for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            code = 0
+            code = 1
             try:
-                (target or train)(job, rank)
+                fn(rank)
+                code = 0
             except BaseException:
                 traceback.print_exc()
-                code = 1
-            os._exit(code)
+                if error_file is not None:
+                    with open(error_file(rank), "w") as f:
+                        f.write(traceback.format_exc())
+            finally:
+                os._exit(code)
         pids[rank] = pid
     return reap(pids, timeout)
 
 
 def reap(pids: dict[int, int], timeout: float) -> dict[int, int]:
+    """Wait for every pid until ``timeout``; when a rank dies by a signal, SIGKILL the others
+    (they would wait for it in a collective), as for any still running at the deadline."""
     codes: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,22 +154,10 @@ def train_rank(job: LightningJob, rank: int) -> None:
 
 def run_lightning_ranks(job: Any, timeout: float = 120.0, train: Any = train_rank) -> dict[int, int]:
     """Fork one child per rank running ``train(job, rank)``; reap every one by pid
-    (``fsdp2_job.reap``). Returns rank -> exit code."""
-    from .fsdp2_job import reap
+    (``fsdp2_job.fork_ranks``). Returns rank -> exit code."""
+    from .fsdp2_job import fork_ranks
 
-    pids = {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                train(job, rank)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        pids[rank] = pid
-    return reap(pids, timeout)
+    return fork_ranks(WORLD, lambda rank: train(job, rank), timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from leto_lightning.runtime.events import read_events
 from leto_lightning.testing.launched import LaunchedRun, free_port, leftovers, stop, wait_for
 
 from . import acc_fsdp2_train
-from .fsdp2_job import reap
+from .fsdp2_job import fork_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(acc_fsdp2_train.__file__)
@@ -58,19 +57,8 @@ def _rank_main(rank: int, port: int, argv: list[str]) -> None:
 
 def run_forked(out: Path, *args: str, timeout: float = 120.0) -> None:
     """The script's ``main`` in one forked child per rank; every child reaped by pid, exit 0."""
-    port, pids = free_port(), {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _rank_main(rank, port, ["--out", str(out), *args])
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        pids[rank] = pid
-    codes = reap(pids, timeout)
+    port = free_port()
+    codes = fork_ranks(WORLD, lambda rank: _rank_main(rank, port, ["--out", str(out), *args]), timeout)
     assert codes == dict.fromkeys(range(WORLD), 0), f"rank exit codes {codes}"
 
 

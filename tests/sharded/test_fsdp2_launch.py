@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from leto_lightning.runtime.events import iter_events
 from leto_lightning.runtime.trainers import stopped
 from tests.runtime.harness import LaunchResult, finish, free_port, same_state, start, stop, wait_for
 
-from .fsdp2_job import reap
+from .fsdp2_job import fork_ranks
 
 ITERATIONS = 12
 WORLD = 2
@@ -40,22 +39,14 @@ def plain_run(directory: Path, world: int = WORLD) -> LaunchResult:
         return _PLAIN[world]
     out = directory / f"plain{world}"
     out.mkdir()
-    port, pids = free_port(), {}
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                script.main(["--iterations", str(ITERATIONS), "--out", str(out)])
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        pids[rank] = pid
-    codes = reap(pids, timeout=120)
+    port = free_port()
+
+    def rank_main(rank: int) -> None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        script.main(["--iterations", str(ITERATIONS), "--out", str(out)])
+
+    codes = fork_ranks(world, rank_main, timeout=120)
     assert codes == dict.fromkeys(range(world), 0), f"plain FSDP2 ranks exited with {codes}"
     _PLAIN[world] = LaunchResult(0, "", out, [])
     return _PLAIN[world]

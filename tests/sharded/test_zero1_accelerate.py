@@ -6,7 +6,6 @@ forked; a shuffled loader, accumulation 2, ``clip_grad_norm_``, an LR schedule."
 from __future__ import annotations
 
 import os
-import traceback
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from leto_lightning.retained.shm import new_job_id, unlink_segments
 from leto_lightning.runtime.contract import JOB_ID
 from leto_lightning.testing.launched import free_port
 
-from .fsdp2_job import reap
+from .fsdp2_job import fork_ranks
 
 WORLD = 2
 _CLEAR = ("LETO_ROLE", "LETO_RUN_DIR", "LETO_FAULTS", "LETO_RESUME", "LETO_JOB_ID", "TORCHELASTIC_RUN_ID",
@@ -75,25 +74,18 @@ def train(out: Path, leto: bool) -> None:
 
 def run_forked(out: Path, job: str) -> dict[str, list[dict]]:
     """LetoAccelerator, then a plain Accelerator, in the same forked ranks (one process group)."""
-    ports, pids = (free_port(), free_port()), {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                for key in _CLEAR:
-                    os.environ.pop(key, None)
-                os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                                  LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", **{JOB_ID: job})
-                for leto, port in zip((True, False), ports, strict=True):  # end_training destroys the process group
-                    os.environ["MASTER_PORT"] = str(port)
-                    train(out, leto)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        pids[rank] = pid
-    codes = reap(pids, 120)
+    ports = (free_port(), free_port())
+
+    def rank_main(rank: int) -> None:
+        for key in _CLEAR:
+            os.environ.pop(key, None)
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                          LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", **{JOB_ID: job})
+        for leto, port in zip((True, False), ports, strict=True):  # end_training destroys the process group
+            os.environ["MASTER_PORT"] = str(port)
+            train(out, leto)
+
+    codes = fork_ranks(WORLD, rank_main, 120)
     assert codes == dict.fromkeys(range(WORLD), 0), f"rank exit codes {codes}"
     return {kind: [torch.load(out / f"r{r}-{kind}.pt") for r in range(WORLD)] for kind in ("leto", "plain")}
 

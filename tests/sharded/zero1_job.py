@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from leto_lightning.faults.points import set_hook
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.updater.zero1 import RetainedZeRO1, attach_zero1, create_zero1
 
-from .fsdp2_job import SelfKill, reap
+from .fsdp2_job import SelfKill, fork_ranks
 
 WORLD = 2
 STEPS = 4
@@ -139,19 +138,6 @@ def errors(out_dir: str) -> str:
 
 
 def run_ranks(job: Job, timeout: float = 90.0) -> dict[int, int]:
-    """Fork one child per rank running ``train``; reap every one by pid (``fsdp2_job.reap``)."""
-    pids = {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                train(job, rank)
-            except BaseException:
-                traceback.print_exc()
-                with open(os.path.join(job.out_dir, f"r{rank}.err"), "w") as f:  # for the test's message
-                    f.write(traceback.format_exc())
-                code = 1
-            os._exit(code)
-        pids[rank] = pid
-    return reap(pids, timeout)
+    """Fork one child per rank running ``train``; reap every one by pid (``fsdp2_job.fork_ranks``)."""
+    return fork_ranks(WORLD, lambda rank: train(job, rank), timeout,
+                      error_file=lambda rank: os.path.join(job.out_dir, f"r{rank}.err"))  # for the test's message
