@@ -17,7 +17,6 @@ Runs take 15-90 s each (2 cores: four trainer processes start at once).
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import pytest
@@ -35,6 +34,7 @@ from launch_job import (
     wandb_history,
 )
 
+from leto_lightning.faults.plan import planned_faults
 from leto_lightning.testing.launched import stop
 
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
@@ -68,7 +68,6 @@ def test_fault_free_launch_equals_lightning_ddp(reference: Run, tmp_path) -> Non
 
 def _hof_faults(seed: int) -> list[dict]:
     """Five HOFs at seeded random occurrences; each strikes once a fresh shadow set is ready."""
-    rng = random.Random(seed)
     plan = [  # (ranks, point, iterations, occurrences per iteration)
         ([1], "chunk.math_done", (2, 4), 7),  # mid-update (7 chunks per step with 16 KiB pages)
         ([0], "lightning.after_checkpoint", (13, 13), 2),  # right after a save (step-14 file, then last.ckpt)
@@ -76,13 +75,7 @@ def _hof_faults(seed: int) -> list[dict]:
         ([0], "lightning.epoch_end", (29, 29), 1),  # at an epoch boundary
         ([0, 1], "chunk.tier2_partial", (33, 36), 4),  # both ranks at once, mid-parity-update
     ]
-    faults = []
-    for ranks, point, (lo, hi), most in plan:
-        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
-        for r in ranks:
-            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
-                           "wait_shadows": True})
-    return faults
+    return planned_faults(plan, seed)
 
 
 def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_path) -> None:

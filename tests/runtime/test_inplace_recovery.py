@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 
 import pytest
+
+from leto_lightning.faults.plan import planned_faults
 
 from .harness import finish, run, same_state, start, stop, wait_for
 
@@ -25,7 +26,6 @@ def reference(tmp_path_factory):
 
 def _hof_faults(seed: int) -> list[dict]:
     """Six HOFs at seeded random occurrences of the required kinds of point."""
-    rng = random.Random(seed)
     plan = [  # (ranks, point, iteration window)
         ([0], "compute.begin", (2, 4)),
         ([1], "chunk.math_done", (10, 12)),  # mid-update
@@ -34,14 +34,8 @@ def _hof_faults(seed: int) -> list[dict]:
         ([0, 1], "chunk.tier2_partial", (34, 36)),  # both ranks at once
         ([1], "chunk.committed", (42, 44)),
     ]  # each strikes once a fresh shadow set is ready ("wait_shadows"): a long job's steady state
-    faults = []
-    for ranks, point, (lo, hi) in plan:
-        most = {"compute.begin": 1, "record.half_written": 2}.get(point, 4)  # how often it occurs per iteration
-        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
-        for r in ranks:
-            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
-                           "wait_shadows": True})
-    return faults
+    most = {"compute.begin": 1, "record.half_written": 2}  # how often a point occurs per iteration (else 4)
+    return planned_faults([(ranks, point, window, most.get(point, 4)) for ranks, point, window in plan], seed)
 
 
 def test_hofs_at_random_points_end_bit_identical(tmp_path, reference):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from leto_lightning.faults.plan import planned_faults
 from leto_lightning.testing import launched
 
 from .lightning_fsdp2_job import WORLD, loss_series
@@ -48,14 +48,7 @@ LONG_PLAN = [  # six SIGKILLs, five recoveries
 
 def hof_faults(seed: int, plan: list) -> list[dict]:
     """The plan's failures at seeded iterations and occurrences."""
-    rng = random.Random(seed)
-    faults = []
-    for ranks, point, (lo, hi), most in plan:
-        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
-        for r in ranks:
-            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
-                           "wait_shadows": True})
-    return faults
+    return planned_faults(plan, seed)
 
 
 def launch(run_dir: Path, out: Path, faults: list[dict]) -> launched.LaunchedRun:

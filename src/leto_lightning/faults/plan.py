@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 
 HOF_POINTS = {  # where a HOF of each phase strikes (injection points of faults.points)
     "compute": ("compute.begin",),
@@ -25,4 +26,18 @@ def hof_faults(hof_every: int, phase: str, max_steps: int, ranks: int, seed: int
         point = rng.choice(points)
         faults.append({"id": n, "rank": n % ranks, "iteration": it, "point": point, "occurrence": 1,
                        "wait_shadows": True})
+    return faults
+
+
+def planned_faults(plan: Iterable[tuple[Sequence[int], str, tuple[int, int], int]], seed: int) -> list[dict]:
+    """SIGKILLs from a plan of ``(ranks, point, (first, last iteration), occurrences of the point
+    per iteration)``: each entry strikes at a seeded iteration and occurrence, every rank it
+    names at once, once a shadow set is ready (a long job's steady state)."""
+    rng = random.Random(seed)
+    faults = []
+    for ranks, point, (lo, hi), most in plan:
+        it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
+        for r in ranks:
+            faults.append({"id": len(faults), "rank": r, "iteration": it, "point": point, "occurrence": occurrence,
+                           "wait_shadows": True})
     return faults
