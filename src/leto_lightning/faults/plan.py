@@ -34,7 +34,7 @@ def planned_faults(plan: Iterable[tuple[Sequence[int], str, tuple[int, int], int
     per iteration)``: each entry strikes at a seeded iteration and occurrence, every rank it
     names at once, once a shadow set is ready (a long job's steady state)."""
     rng = random.Random(seed)
-    faults = []
+    faults: list[dict] = []
     for ranks, point, (lo, hi), most in plan:
         it, occurrence = rng.randint(lo, hi), rng.randint(1, most)
         for r in ranks:
