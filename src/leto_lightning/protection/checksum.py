@@ -16,6 +16,7 @@ later optimisation.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -84,6 +85,15 @@ if _crc64 is not None:
 
 CHECKSUM_ALGORITHM: str = "crc64-ecma-refl" if _crc64 is not None else "crc32-zlib"
 """Name of the active checksum; checksums of different algorithms never compare equal."""
+
+
+def crc64_address() -> int | None:
+    """The C address of the active CRC-64 kernel (``uint64_t f(uint64_t crc, const uint8_t *buf,
+    uint64_t len)``, chainable: ``f(f(0, a), b)`` is the checksum of ``a + b``), for compiled code
+    that checksums pages as it writes them; None when the active algorithm is not CRC-64."""
+    if _crc64 is None or CHECKSUM_ALGORITHM != "crc64-ecma-refl":
+        return None
+    return ctypes.cast(_crc64, ctypes.c_void_p).value
 
 
 def available_algorithms() -> list[str]:

@@ -92,14 +92,16 @@ class StoreSpec:
         ``primary``: the live chunk table ``[version, phase]``, step counters, page checksums,
         scalar state, flags and the checksum words (``sums``: one per chunk, then the gradients'
         and the scalar state's); ``mirror``: a second copy of everything but the phases;
-        ``undo0``/``undo1``: two copies of the undo header.
+        ``undo0``/``undo1``: two copies of the undo header; ``progress``: how many bytes per kind
+        of the chunk in flight its undo copy holds (-1: all; the fused Adam kernel saves the copy
+        block by block as it goes, see ``updater.fused_adam``).
         """
         lay = self.layout
         n_scalars = len(lay.params) * len(lay.scalar_kinds)
         copy = {"steps": lay.n_pieces, "crcs": lay.n_pages, "scalars": n_scalars, "flags": 8, "sums": lay.n_chunks + 2}
         head = {"words": self.undo_header_words + 2}
         return {"primary": {"chunks": 2 * lay.n_chunks, **copy}, "mirror": {"versions": lay.n_chunks, **copy},
-                "undo0": head, "undo1": head}
+                "undo0": head, "undo1": head, "progress": {"undo_bytes": 1}}
 
     def undo_bytes(self) -> int:
         lay = self.layout

@@ -244,6 +244,7 @@ class RetainedStore:
         self.sums = primary["sums"]  # checksum words: one per chunk, the gradients', the scalar state's
         self.mirror = mirror  # versions, steps, crcs, scalars, flags, sums: the second copy
         self.undo_copies = (areas["undo0"]["words"], areas["undo1"]["words"])
+        self.undo_progress = areas["progress"]["undo_bytes"]  # bytes per kind in the undo copy; -1: all
         self.record = ProgressRecord(meta[offset : offset + 4 * cfg.record_bytes],
                                      on_half_written=lambda: point("record.half_written"), copies=2)
 

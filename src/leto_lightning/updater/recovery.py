@@ -123,11 +123,7 @@ def restore_in_flight(store: RetainedStore, meta: Metadata,
         raise RecoveryError(f"rank {store.spec.rank}: the undo header of chunk {chunk} names {n_pages} pages and "
                             f"{n_pieces} pieces, the layout has {len(pages)} and {pieces}. {CHECKPOINT_ADVICE}")
     head = torch.from_numpy(verdict.header)
-    undo = store.undo_view(n_pages)
-    for i, p in enumerate(pages):
-        store.pages[p].copy_(undo[i])
-        if i == 0:
-            point("recovery.undo_partial", chunk=chunk)
+    _copy_undo_back(store, chunk, pages)
     store.crcs[pages] = head[UNDO_CRCS : UNDO_CRCS + n_pages].clone()
     bad = [p for p in pages if not page_ok(store, p)]
     if bad:
@@ -141,6 +137,30 @@ def restore_in_flight(store: RetainedStore, meta: Metadata,
     store.chunk_table[chunk, 1] = IDLE
     meta.mirror_chunk(chunk)
     return [(chunk, phase)], pages
+
+
+def _copy_undo_back(store: RetainedStore, chunk: int, pages: list[int]) -> None:
+    """The in-flight chunk's saved bytes back into its pages: all of them, or -- when the fused
+    Adam kernel was saving the copy block by block -- the first ``undo_progress`` bytes of each
+    kind (the kernel modifies nothing at or past that count). The restored pages are checked
+    against their old checksums afterwards, so a damaged count cannot pass unnoticed."""
+    undo = store.undo_view(len(pages))
+    saved = int(store.undo_progress[0])
+    if saved < 0:
+        for i, p in enumerate(pages):
+            store.pages[p].copy_(undo[i])
+            if i == 0:
+                point("recovery.undo_partial", chunk=chunk)
+        return
+    kinds = store.layout.update_kinds(int(store.layout.chunk_segment[chunk]))
+    per_kind = len(pages) // len(kinds)
+    for k in range(len(kinds)):
+        first = pages[k * per_kind]
+        span = min(saved, per_kind * store.layout.page_bytes)
+        saved_copy = undo[k * per_kind : (k + 1) * per_kind].view(-1)[:span]
+        store.pages[first : first + per_kind].view(-1)[:span].copy_(saved_copy)
+        if k == 0:
+            point("recovery.undo_partial", chunk=chunk)
 
 
 def restore_whole_checked(store: RetainedStore, meta: Metadata, header, what: str) -> list[int]:

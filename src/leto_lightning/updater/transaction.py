@@ -29,7 +29,7 @@ from ..faults.points import point
 from ..protection.checksum import checksum
 from ..protection.codec import ReedSolomonCode
 from ..retained.integrity import Metadata
-from ..retained.layout import GRAD
+from ..retained.layout import GRAD, PARAM
 from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.store import (
     CHECKSUMMED,
@@ -41,6 +41,7 @@ from ..retained.store import (
     UNDO_SAVED,
     RetainedStore,
 )
+from . import fused_adam
 from .chunk_math import ChunkPieces, apply_update
 
 
@@ -82,6 +83,7 @@ class ChunkTransactions:
         self._table = store.chunk_table.numpy()
         self._crcs = store.crcs.numpy()
         self._steps = store.steps.numpy()
+        self._progress = store.undo_progress.numpy()
         self.meta = Metadata(store)
         self._head = np.zeros(store.spec.undo_header_words, dtype=np.int64)  # the next undo header, built here
         self._plans: dict[int, ChunkPlan] = {}
@@ -132,18 +134,33 @@ class ChunkTransactions:
 
     # -- gradients -----------------------------------------------------------------------
     def protect_grads(self) -> None:
-        """Checksum the retained gradients and (optionally) re-encode their tier-1 parity."""
-        store, lay = self.store, self.layout
+        """Checksum the retained gradients and (optionally) re-encode their tier-1 parity.
+
+        Group by group, each page checksummed right after its group's encode read it (then it
+        is still in cache; two separate passes read every gradient from memory twice). Nothing
+        here is final before ``seal_grads``, so the order inside is free."""
+        store, lay, crcs = self.store, self.layout, self._crcs
+        done: set[int] = set()
+        if self.codes.tier1 is not None and store.config.protect_grads:
+            plan = store.spec.tier1
+            kernel = fused_adam.kernel() if self._xor_row() and store.pages.device.type == "cpu" else None
+            for g in plan.grad_groups():
+                pages = plan.groups[g]
+                if kernel is not None:  # one read of each page for both
+                    crcs[list(pages)] = [to_i64(c) for c in kernel.encode_xor([store.pages[p] for p in pages],
+                                                                              store.parity1[g][0])]
+                    done.update(pages)
+                    continue
+                self.codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
+                for p in pages:
+                    crcs[p] = to_i64(checksum(store.pages[p]))
+                done.update(pages)
         for seg in lay.segments:
             r = lay.region(seg.index, GRAD)
             for p in range(r.first_page, r.first_page + r.n_pages):
-                store.crcs[p] = to_i64(checksum(store.pages[p]))
+                if p not in done:
+                    crcs[p] = to_i64(checksum(store.pages[p]))
         self.meta.seal_grads()
-        if self.codes.tier1 is not None and store.config.protect_grads:
-            plan = store.spec.tier1
-            for g in plan.grad_groups():
-                pages = plan.groups[g]
-                self.codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
 
     # -- one chunk -----------------------------------------------------------------------
     def run_chunk(self, chunk: int, iteration: int, hparams: Sequence[dict], skip: frozenset = frozenset()) -> None:
@@ -155,15 +172,19 @@ class ChunkTransactions:
                 "inconsistent with the update being applied"
             )
         plan = self._plan(chunk)
+        kernel = fused_adam.kernel() if plan.fused is not None and fused_adam.covers(hparams[plan.group]) else None
         point("chunk.begin", chunk=chunk, iteration=iteration)
-        self._save_undo(plan, iteration)
+        self._save_undo(plan, iteration, copy=kernel is None)  # the kernel saves it block by block
         point("chunk.undo_copied", chunk=chunk)
         table[chunk, 1] = UNDO_SAVED
         point("chunk.undo_marked", chunk=chunk)
-        apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
-        point("chunk.math_done", chunk=chunk)
-        table[chunk, 1] = MATH_DONE
-        sums = self._tier1_delta(plan)
+        if kernel is None:
+            apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
+            point("chunk.math_done", chunk=chunk)
+            table[chunk, 1] = MATH_DONE
+            sums = self._tier1_delta(plan)
+        else:
+            sums = self._fused_update(plan, kernel, hparams[plan.group], skip)
         table[chunk, 1] = TIER1_DONE
         point("chunk.tier1_done", chunk=chunk)
         self._tier2_delta(plan)
@@ -181,14 +202,23 @@ class ChunkTransactions:
     def _plan(self, chunk: int) -> ChunkPlan:
         plan = self._plans.get(chunk)
         if plan is None:
-            plan = self._plans[chunk] = ChunkPlan.build(self.store, chunk)
+            plan = self._plans[chunk] = ChunkPlan.build(self.store, chunk, self._xor_row())
         return plan
 
-    def _save_undo(self, plan: ChunkPlan, iteration: int) -> None:
+    def _xor_row(self) -> bool:
+        """Tier 1 has one parity page per group, the XOR of its data pages."""
+        code = self.codes.tier1
+        return code is not None and code.m == 1 and bool((code.matrix[0] == 1).all())
+
+    def _save_undo(self, plan: ChunkPlan, iteration: int, copy: bool = True) -> None:
+        """The undo header, after the undo copy (``copy``) or before the fused kernel makes it
+        (``progress`` 0: nothing of the chunk is modified yet)."""
         store = self.store
-        for dst, src in plan.undo_copies:
-            dst.copy_(src)
-        settle(plan.undo_pages[0] if plan.undo_pages else store.undo)
+        if copy:
+            for dst, src in plan.undo_copies:
+                dst.copy_(src)
+            settle(plan.undo_pages[0] if plan.undo_pages else store.undo)
+        self._progress[0] = -1 if copy else 0  # before the header: it applies to the chunk the header names
         n_pages, n_pieces, first = len(plan.pages), plan.n_pieces, plan.first_piece
         head = self._head
         head[:] = 0
@@ -198,6 +228,29 @@ class ChunkTransactions:
         steps_saved.view(np.float64)[:] = self._steps[first : first + n_pieces]
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
+
+    def _fused_update(self, plan: ChunkPlan, kernel: fused_adam.Kernel, hp: dict, skip: frozenset) -> list[int]:
+        """Undo copy, Adam's math, the tier-1 delta and the new checksums in one pass over the
+        chunk (``fused_adam``), the same bits as the unfused steps. Recovery restores the bytes
+        the kernel saved (``progress``) and re-checks parity whatever the phase a crash hit."""
+        assert plan.fused is not None
+        pieces = [j for j, piece in enumerate(plan.pieces) if piece[0] not in skip]
+        rows = np.empty((len(pieces), fused_adam.HP_FIELDS), dtype=np.float32)
+        steps = self._steps
+        for r, j in enumerate(pieces):
+            steps[plan.first_piece + j] += 1  # as torch: step_t += 1 (float32), then its value
+            rows[r] = fused_adam.piece_hparams(hp, float(steps[plan.first_piece + j]))
+        ranges = plan.fused.pieces if len(pieces) == plan.n_pieces else plan.fused.pieces[pieces]
+        crcs = np.zeros(len(plan.pages), dtype=np.uint64)
+        half = plan.fused.page_elems // 2
+        plan.fused.run(kernel, 0, half, rows, ranges, crcs, self._progress)
+        point("chunk.tier1_partial", page=plan.pages[0])
+        plan.fused.run(kernel, half, plan.fused.page_elems * plan.fused.n_pages, rows, ranges, crcs, self._progress)
+        point("chunk.math_done", chunk=plan.chunk)
+        self._table[plan.chunk, 1] = MATH_DONE
+        if plan.fused.parity is None and self.codes.tier1 is not None:  # H1 > 1: the codec folds the deltas
+            self._tier1_delta(plan)
+        return [to_i64(int(c)) for c in crcs]
 
     def _tier1_delta(self, plan: ParityDeltas) -> list[int] | None:
         """Fold each page's change into its tier-1 parity; returns the pages' new checksums
@@ -254,10 +307,13 @@ class ChunkPlan:
     n_pieces: int
     pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]]
     state_kinds: tuple[str, ...]
+    fused: fused_adam.FusedChunk | None = None  # the one-pass Adam kernel's view, where it applies
     _all: ChunkPieces | None = None
 
     @classmethod
-    def build(cls, store: RetainedStore, chunk: int) -> ChunkPlan:
+    def build(cls, store: RetainedStore, chunk: int, xor_row: bool = False) -> ChunkPlan:
+        """``xor_row``: tier 1 has one parity page per group, the XOR of its data pages (the
+        fused Adam kernel folds deltas into such pages itself)."""
         lay = store.layout
         seg = int(lay.chunk_segment[chunk])
         kinds = lay.update_kinds(seg)
@@ -279,8 +335,15 @@ class ChunkPlan:
         pieces = [(param, views[kinds[0]][a:b], grads[a:b], store.steps[first + j],
                    {k: views[k][a:b] for k in kinds[1:]})
                   for j, (param, a, b) in enumerate(lay.chunk_pieces[chunk])]
+        fused = None
+        if lay.family == "adam" and kinds == (PARAM, "exp_avg", "exp_avg_sq"):
+            fused = fused_adam.build_fused_chunk(
+                [store.pages[p] for p in pages], [undo[i] for i in range(len(pages))], grads,
+                [t[3] for t in tier1] if tier1 and xor_row else None, [(a, b) for _, a, b in lay.chunk_pieces[chunk]],
+                grads.dtype)
         return cls(chunk, lay.segments[seg].group, pages, [store.pages[p] for p in pages],
-                   [undo[i] for i in range(len(pages))], copies, tier1, tier2, first, len(pieces), pieces, kinds[1:])
+                   [undo[i] for i in range(len(pages))], copies, tier1, tier2, first, len(pieces), pieces, kinds[1:],
+                   fused)
 
     def pieces_for(self, skip: frozenset) -> ChunkPieces:
         """The optimizer's view of the chunk; params without a gradient this step left out."""
