@@ -10,10 +10,12 @@ machine's speed hits both; the per-iteration medians and their ratio are printed
 weights are checked bit-identical. Accelerate's state is one per process, so both accelerators
 share it (``cpu=True``).
 
-The update columns time ``opt.step()`` alone and ``upd. only`` is (median Leto update - median
-plain update) / median plain iteration: the part of the overhead that is the update, with the
-forward/backward noise of a shared machine left out (at the large size 6 iterations of ~5 s
-steps vary by several per cent, more than the target).
+``paired`` is the median over iterations of Leto's time / plain's in the same iteration (the
+two ran back to back). The update columns time ``opt.step()`` alone; ``upd. only`` is (median
+Leto update - median plain update) / median plain iteration, and ``zero_grad`` the same for
+``opt.zero_grad()``: the work Leto adds, with the forward/backward noise of a shared machine
+left out (whole iterations of ~5 s vary by a few per cent from run to run, more than the +1 %
+target; the forward and backward are the same computation for both).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def model_config(d_model: int, layers: int, seq_len: int) -> ModelConfig:
                        ffn_hidden=4 * d_model, expert_ffn_hidden=2 * d_model, n_experts=4, top_k=2, seq_len=seq_len)
 
 
+PHASES = ("iteration", "update", "zero_grad")
+
+
 class Trainer:
     """One accelerator's model, optimizer and step."""
 
@@ -49,8 +54,8 @@ class Trainer:
         self.model, self.opt = accelerator.prepare(model, opt)
         self.vocab = cfg.vocab_size
 
-    def step(self, batch: torch.Tensor) -> tuple[float, float]:
-        """Seconds for the whole iteration and for ``opt.step()`` alone."""
+    def step(self, batch: torch.Tensor) -> tuple[float, float, float]:
+        """Seconds for the whole iteration, ``opt.step()`` alone and ``opt.zero_grad()`` alone."""
         t0 = time.perf_counter()
         logits, aux = self.model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + 0.01 * aux
@@ -60,11 +65,13 @@ class Trainer:
         self.opt.step()
         t2 = time.perf_counter()
         self.opt.zero_grad()
-        return time.perf_counter() - t0, t2 - t1
+        t3 = time.perf_counter()
+        return t3 - t0, t2 - t1, t3 - t2
 
 
-def run_size(name: str, iterations: int, warmup: int) -> tuple[dict[str, float], dict[str, float], bool]:
-    """Medians per trainer ("plain", "leto") of the iteration and of the update, and bit-identity."""
+def run_size(name: str, iterations: int, warmup: int) -> tuple[dict[str, list[tuple[float, ...]]], bool]:
+    """Per trainer ("plain", "leto") the timed iterations' (iteration, update, zero_grad)
+    seconds, in order (iteration i of both ran back to back), and bit-identity."""
     from accelerate import Accelerator
 
     from leto_lightning.accelerate import LetoAccelerator, LetoConfig
@@ -75,39 +82,46 @@ def run_size(name: str, iterations: int, warmup: int) -> tuple[dict[str, float],
     leto_acc = LetoAccelerator(cpu=True, leto=LetoConfig(page_bytes=1 << 20, tier1_parity=1))
     leto = Trainer(leto_acc, cfg)
     gen = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"plain": [], "leto": []}
-    updates: dict[str, list[float]] = {"plain": [], "leto": []}
+    times: dict[str, list[tuple[float, ...]]] = {"plain": [], "leto": []}
     for it in range(warmup + iterations):
         batch_t = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
         for key, trainer in (("plain", plain), ("leto", leto)) if it % 2 == 0 else (("leto", leto), ("plain", plain)):
-            dt, du = trainer.step(batch_t)
+            timed = trainer.step(batch_t)
             if it >= warmup:
-                times[key].append(dt)
-                updates[key].append(du)
+                times[key].append(timed)
     same = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), leto.model.parameters()))
     leto_acc.end_training()  # frees the retained memory
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    return medians, {k: statistics.median(v) for k, v in updates.items()}, same
+    return times, same
+
+
+def summary(times: dict[str, list[tuple[float, ...]]]) -> dict[str, float]:
+    """Medians of each phase, the ratio of the iteration medians, the paired ratio (median over
+    iterations of Leto's time / plain's in the same iteration: both ran back to back, so a slow
+    stretch of the machine hits both) and each phase's extra time as a share of plain's iteration."""
+    med = {k: [statistics.median(t[i] for t in v) for i in range(len(PHASES))] for k, v in times.items()}
+    plain, leto = med["plain"], med["leto"]
+    return {"plain": plain[0], "leto": leto[0], "ratio": leto[0] / plain[0],
+            "paired": statistics.median(b[0] / a[0] for a, b in zip(times["plain"], times["leto"])),
+            "plain_update": plain[1], "leto_update": leto[1],
+            "update_share": (leto[1] - plain[1]) / plain[0], "zero_share": (leto[2] - plain[2]) / plain[0]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,medium,large")
-    p.add_argument("--iterations", type=int, default=0, help="timed iterations per size (0: 40/20/6)")
+    p.add_argument("--iterations", type=int, default=0, help="timed iterations per size (0: 40/20/10)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    defaults = {"small": 40, "medium": 20, "large": 6}
-    print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7}  {'update: plain':>13} "
-          f"{'Leto':>8} {'upd. only':>9}  bit-identical")
+    defaults = {"small": 40, "medium": 20, "large": 10}
+    print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7} {'paired':>7}  {'update: plain':>13} "
+          f"{'Leto':>8} {'upd. only':>9} {'zero_grad':>9}  bit-identical")
     for name in args.sizes.split(","):
-        n = args.iterations or defaults[name]
-        total, update, same = run_size(name, n, warmup=2)
-        plain, leto = total["plain"], total["leto"]
-        upd_only = (update["leto"] - update["plain"]) / plain
-        print(f"{name:8} {plain * 1e3:10.1f}ms {leto * 1e3:14.1f}ms {leto / plain:7.3f}  "
-              f"{update['plain'] * 1e3:11.1f}ms {update['leto'] * 1e3:6.1f}ms {upd_only * 100:+8.2f}%  {same}",
-              flush=True)
+        times, same = run_size(name, args.iterations or defaults[name], warmup=2)
+        r = summary(times)
+        print(f"{name:8} {r['plain'] * 1e3:10.1f}ms {r['leto'] * 1e3:14.1f}ms {r['ratio']:7.3f} {r['paired']:7.3f}  "
+              f"{r['plain_update'] * 1e3:11.1f}ms {r['leto_update'] * 1e3:6.1f}ms {r['update_share'] * 100:+8.2f}% "
+              f"{r['zero_share'] * 100:+8.2f}%  {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ the injection points and at random times, with the one-page XOR tier 1 it folds 
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import shutil
+import sys
 
 import pytest
 import torch
@@ -22,9 +26,20 @@ from .test_random_time_kills import run_time_case, step_seconds
 torch.set_num_threads(1)
 
 KERNEL = fused_adam.kernel()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="the fused Adam kernel is not usable here (see its log line)")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the fused Adam kernel is not usable here (see its log line)")
 
 
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64" and shutil.which("cc")),
+                    reason="the kernel is only required where it was built and checked: Linux x86-64 with a compiler")
+def test_the_kernel_is_built_and_used_here():
+    """Where the project is developed and tested the fast path must be on, or every test below
+    would skip and the suite would silently test only the unfused path."""
+    if os.environ.get(fused_adam.ENV_SWITCH, "1") == "0":
+        pytest.skip(f"{fused_adam.ENV_SWITCH}=0")
+    assert KERNEL is not None, fused_adam._load()[1] or "the kernel disagrees with torch.optim.adam on this machine"
+
+
+@needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(page_elems=st.sampled_from([16, 48, 1024, 1040, 4096, 9232]), n_pages=st.integers(1, 3),
        n_cuts=st.integers(0, 6), seed=st.integers(0, 2**31 - 1), lr=st.floats(1e-5, 0.5),
@@ -65,6 +80,7 @@ def _train(cls, kwargs: dict, config: RetainedConfig, steps: int = 5) -> Retaine
     return ro
 
 
+@needs_kernel
 @pytest.mark.parametrize("tier1_parity", [0, 1, 2])
 @pytest.mark.parametrize("cls, kwargs", [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
                                          (torch.optim.Adam, dict(lr=1e-2, betas=(0.3, 0.9), weight_decay=0.05))])
@@ -101,6 +117,7 @@ def xor_scenario():
     return sc, sc.reference(MAX_T + 1)
 
 
+@needs_kernel
 def test_sigkill_at_points_with_the_kernel_folding_parity(xor_scenario):
     """Injection points, among them ``chunk.tier1_partial`` between the kernel's two calls (half
     a page saved and updated, parity half folded): recovery restores the saved bytes only."""
@@ -111,6 +128,7 @@ def test_sigkill_at_points_with_the_kernel_folding_parity(xor_scenario):
     assert not failures, f"{len(failures)} cases not bit-identical; first: {failures[0]}"
 
 
+@needs_kernel
 def test_sigkill_at_random_times_inside_the_kernel(xor_scenario):
     scenario, reference = xor_scenario
     duration = step_seconds(scenario)
