@@ -4,12 +4,14 @@ train one more iteration, and compare with the fault-free reference."""
 from __future__ import annotations
 
 import random
+import statistics
+import time
 from dataclasses import dataclass
 
 from leto_lightning.faults.points import set_hook
 from leto_lightning.retained.record import RecordStatus
 from leto_lightning.retained.store import RetainedStore
-from leto_lightning.testing.crash import KillPoint, PointRecorder, run_in_child
+from leto_lightning.testing.crash import KillAfter, KillPoint, PointRecorder, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.updater.recovery import recover_node
 
@@ -109,3 +111,61 @@ def _recover_and_continue(job, until: int):
             run_step(job.scenario, model, ro, r, it)
         states[r] = snapshot(model, ro.optimizer)
     return resume.pop(), states, [rep.summary() for rep in reports.values()]
+
+
+def step_seconds(scenario: CoreScenario) -> float:
+    """Median duration of ``step()`` (prepare to commit) on this machine, now."""
+    job = scenario.create_job()
+    try:
+        model, ro = job.trainers[0]
+        times = []
+        for it in range(5):
+            ro.zero_grad()
+            scenario.compute(model, 0, it)
+            t0 = time.perf_counter()
+            ro.step()
+            times.append(time.perf_counter() - t0)
+            for r in range(1, scenario.n_ranks):
+                job.step(r, it)
+        return statistics.median(times)
+    finally:
+        job.close()
+
+
+def run_time_case(scenario: CoreScenario, reference, duration: float, seed: int,
+                  max_t: int) -> tuple[bool, bool, str]:
+    """(bit-identical at the right resume point, some rank was really killed, details); the kill
+    falls in iteration 0..max_t-1."""
+    rng = random.Random(seed)
+    job = scenario.create_job()
+    try:
+        t = rng.randrange(max_t)
+        job.run(t)
+        ranks = list(range(scenario.n_ranks))
+        victims = rng.choice([[r] for r in ranks] + ([ranks] if len(ranks) > 1 else []))
+        kills = {}
+        for r in victims:
+            # The prepare barrier: no rank passes it unless every rank prepared. So after an earlier
+            # victim that died unprepared, this one dies at the barrier; after one that prepared
+            # (and may have passed it), this one's random time counts from the barrier.
+            if any(not _prepared(job, q, t) for q in kills):
+                kill = KillPoint("prepare.barrier")
+            else:
+                kill = KillAfter("prepare.barrier" if kills else "prepare.begin", rng.uniform(0.0, 1.1 * duration))
+            res = run_in_child(lambda r=r: _shadow_step(job, r, t), kill_at=kill)
+            kills[r] = f"{kill}{'' if res.killed else ' (finished first)'}"
+        all_prepared = all(_prepared(job, r, t) for r in ranks if r in victims)
+        for r in ranks:
+            if r not in victims:
+                run_in_child(lambda r=r: _shadow_step(job, r, t),
+                             kill_at=None if all_prepared else KillPoint("prepare.barrier"))
+        all_prepared = all(_prepared(job, r, t) for r in ranks)
+        resume, states, reports = run_in_child(lambda: _recover_and_continue(job, t + 1)).value
+        diffs = {r: differences(states[r], reference[r][t + 2]) for r in ranks}
+        expected = t + 1 if all_prepared else t
+        ok = resume == expected and not any(diffs.values())
+        killed = any("finished first" not in k for k in kills.values())
+        return ok, killed, (f"seed {seed}: t={t} kills={kills} resume={resume} (expected {expected}) "
+                            f"diffs={diffs} {reports}")
+    finally:
+        job.close()

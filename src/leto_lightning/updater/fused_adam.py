@@ -155,11 +155,12 @@ class FusedChunk:
 
 
 def build_fused_chunk(pages: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], grads: torch.Tensor,
-                      parity: Sequence[Sequence[torch.Tensor]] | None, pieces: Sequence[tuple[int, int]],
-                      dtype: torch.dtype) -> FusedChunk | None:
+                      parity: Sequence[Sequence[torch.Tensor]] | None,
+                      pieces: Sequence[tuple[int, int]]) -> FusedChunk | None:
     """The kernel's view of a chunk whose updated pages are ``pages`` (param, exp_avg,
-    exp_avg_sq, in that order, contiguous per kind), or None when it does not apply."""
-    if dtype != torch.float32 or len(pages) % 3 or any(p.device.type != "cpu" for p in (*pages, *undo, grads)):
+    exp_avg_sq, in that order, contiguous per kind; their dtype is ``grads``'), or None when it
+    does not apply."""
+    if grads.dtype != torch.float32 or len(pages) % 3 or any(p.device.type != "cpu" for p in (*pages, *undo, grads)):
         return None
     n_pages = len(pages) // 3
     firsts = [pages[k * n_pages] for k in range(3)] + [grads] + [undo[k * n_pages] for k in range(3)]
@@ -214,7 +215,7 @@ def reproduces_torch(k: Kernel, page_elems: int, n_pages: int, cuts: Sequence[in
                 ^ ref[i // n_pages].view(torch.int64).view(n_pages, -1)[i % n_pages] for i, par in enumerate(parity)]
     pages = [t.view(torch.uint8).view(n_pages, -1)[j] for t in state[:3] for j in range(n_pages)]
     undo_pages = [t.view(torch.uint8).view(n_pages, -1)[j] for t in undo for j in range(n_pages)]
-    fused = build_fused_chunk(pages, undo_pages, state[3], [[p] for p in parity], pieces, torch.float32)
+    fused = build_fused_chunk(pages, undo_pages, state[3], [[p] for p in parity], pieces)
     assert fused is not None
     rows = np.array([piece_hparams(hp, s) for s in steps], dtype=np.float32).reshape(len(pieces), HP_FIELDS)
     crcs, progress = np.zeros(3 * n_pages, dtype=np.uint64), np.zeros(1, dtype=np.int64)

@@ -154,9 +154,9 @@ def _copy_undo_back(store: RetainedStore, chunk: int, pages: list[int]) -> None:
         return
     kinds = store.layout.update_kinds(int(store.layout.chunk_segment[chunk]))
     per_kind = len(pages) // len(kinds)
+    span = min(saved, per_kind * store.layout.page_bytes)
     for k in range(len(kinds)):
         first = pages[k * per_kind]
-        span = min(saved, per_kind * store.layout.page_bytes)
         saved_copy = undo[k * per_kind : (k + 1) * per_kind].view(-1)[:span]
         store.pages[first : first + per_kind].view(-1)[:span].copy_(saved_copy)
         if k == 0:

@@ -78,6 +78,10 @@ class ChunkTransactions:
         self.store = store
         self.layout = store.layout
         self.codes = codes or ParityCodes(store)
+        code = self.codes.tier1
+        # Tier 1 has one parity page per group, the XOR of its data pages: the fused Adam kernel
+        # folds deltas into such pages itself, and encodes the gradients' with their checksums.
+        self._xor_tier1 = code is not None and code.m == 1 and bool((code.matrix[0] == 1).all())
         self._scratch = torch.empty(store.layout.page_bytes, dtype=torch.uint8, device=store.pages.device)
         # Host metadata through numpy: a torch __setitem__ costs microseconds, per chunk many times.
         self._table = store.chunk_table.numpy()
@@ -134,26 +138,20 @@ class ChunkTransactions:
 
     # -- gradients -----------------------------------------------------------------------
     def protect_grads(self) -> None:
-        """Checksum the retained gradients and (optionally) re-encode their tier-1 parity.
-
-        Group by group, each page checksummed right after its group's encode read it (then it
-        is still in cache; two separate passes read every gradient from memory twice). Nothing
-        here is final before ``seal_grads``, so the order inside is free."""
+        """Checksum the retained gradients and (optionally) re-encode their tier-1 parity; with
+        the fused kernel and XOR parity both in one read of each page (``Kernel.encode_xor``)."""
         store, lay, crcs = self.store, self.layout, self._crcs
-        done: set[int] = set()
+        done: set[int] = set()  # pages the kernel already checksummed
         if self.codes.tier1 is not None and store.config.protect_grads:
             plan = store.spec.tier1
-            kernel = fused_adam.kernel() if self._xor_row() and store.pages.device.type == "cpu" else None
+            kernel = fused_adam.kernel() if self._xor_tier1 and store.pages.device.type == "cpu" else None
             for g in plan.grad_groups():
                 pages = plan.groups[g]
-                if kernel is not None:  # one read of each page for both
-                    crcs[list(pages)] = [to_i64(c) for c in kernel.encode_xor([store.pages[p] for p in pages],
-                                                                              store.parity1[g][0])]
-                    done.update(pages)
+                if kernel is None:
+                    self.codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
                     continue
-                self.codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
-                for p in pages:
-                    crcs[p] = to_i64(checksum(store.pages[p]))
+                sums = kernel.encode_xor([store.pages[p] for p in pages], store.parity1[g][0])
+                crcs[list(pages)] = [to_i64(c) for c in sums]
                 done.update(pages)
         for seg in lay.segments:
             r = lay.region(seg.index, GRAD)
@@ -202,13 +200,8 @@ class ChunkTransactions:
     def _plan(self, chunk: int) -> ChunkPlan:
         plan = self._plans.get(chunk)
         if plan is None:
-            plan = self._plans[chunk] = ChunkPlan.build(self.store, chunk, self._xor_row())
+            plan = self._plans[chunk] = ChunkPlan.build(self.store, chunk, self._xor_tier1)
         return plan
-
-    def _xor_row(self) -> bool:
-        """Tier 1 has one parity page per group, the XOR of its data pages."""
-        code = self.codes.tier1
-        return code is not None and code.m == 1 and bool((code.matrix[0] == 1).all())
 
     def _save_undo(self, plan: ChunkPlan, iteration: int, copy: bool = True) -> None:
         """The undo header, after the undo copy (``copy``) or before the fused kernel makes it
@@ -242,29 +235,35 @@ class ChunkTransactions:
             rows[r] = fused_adam.piece_hparams(hp, float(steps[plan.first_piece + j]))
         ranges = plan.fused.pieces if len(pieces) == plan.n_pieces else plan.fused.pieces[pieces]
         crcs = np.zeros(len(plan.pages), dtype=np.uint64)
-        half = plan.fused.page_elems // 2
-        plan.fused.run(kernel, 0, half, rows, ranges, crcs, self._progress)
-        point("chunk.tier1_partial", page=plan.pages[0])
-        plan.fused.run(kernel, half, plan.fused.page_elems * plan.fused.n_pages, rows, ranges, crcs, self._progress)
+        end = plan.fused.page_elems * plan.fused.n_pages
+        if plan.fused.parity is None:  # no tier 1, or H1 > 1: the codec folds the deltas below
+            plan.fused.run(kernel, 0, end, rows, ranges, crcs, self._progress)
+        else:  # the kernel folds them: its mid-parity point is half a page in
+            half = plan.fused.page_elems // 2
+            plan.fused.run(kernel, 0, half, rows, ranges, crcs, self._progress)
+            point("chunk.tier1_partial", page=plan.pages[0])
+            plan.fused.run(kernel, half, end, rows, ranges, crcs, self._progress)
         point("chunk.math_done", chunk=plan.chunk)
         self._table[plan.chunk, 1] = MATH_DONE
-        if plan.fused.parity is None and self.codes.tier1 is not None:  # H1 > 1: the codec folds the deltas
-            self._tier1_delta(plan)
+        if plan.fused.parity is None:
+            self._tier1_delta(plan, checksums=False)
         return [to_i64(int(c)) for c in crcs]
 
-    def _tier1_delta(self, plan: ParityDeltas) -> list[int] | None:
+    def _tier1_delta(self, plan: ParityDeltas, checksums: bool = True) -> list[int] | None:
         """Fold each page's change into its tier-1 parity; returns the pages' new checksums
         (None without tier 1). Why here: a page is final once the math is done, and checksumming
         it right after its delta reads it while it is still in cache (a separate pass later read
         every page of the chunk from memory again). The caller records them at the same protocol
-        point as before (after the tier-2 delta, before the commit mark)."""
+        point as before (after the tier-2 delta, before the commit mark). ``checksums`` False:
+        the fused kernel has them already."""
         code = self.codes.tier1
         if code is None or not plan.tier1:
             return None
         sums = []
         for i, (old, new, column, parity) in enumerate(plan.tier1):
             code.apply_delta(column, old, new, parity, self._scratch)
-            sums.append(to_i64(checksum(new)))
+            if checksums:
+                sums.append(to_i64(checksum(new)))
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
         return sums
@@ -335,15 +334,14 @@ class ChunkPlan:
         pieces = [(param, views[kinds[0]][a:b], grads[a:b], store.steps[first + j],
                    {k: views[k][a:b] for k in kinds[1:]})
                   for j, (param, a, b) in enumerate(lay.chunk_pieces[chunk])]
+        page_tensors, undo_pages = [store.pages[p] for p in pages], [undo[i] for i in range(len(pages))]
         fused = None
         if lay.family == "adam" and kinds == (PARAM, "exp_avg", "exp_avg_sq"):
-            fused = fused_adam.build_fused_chunk(
-                [store.pages[p] for p in pages], [undo[i] for i in range(len(pages))], grads,
-                [t[3] for t in tier1] if tier1 and xor_row else None, [(a, b) for _, a, b in lay.chunk_pieces[chunk]],
-                grads.dtype)
-        return cls(chunk, lay.segments[seg].group, pages, [store.pages[p] for p in pages],
-                   [undo[i] for i in range(len(pages))], copies, tier1, tier2, first, len(pieces), pieces, kinds[1:],
-                   fused)
+            fused = fused_adam.build_fused_chunk(page_tensors, undo_pages, grads,
+                                                 [t[3] for t in tier1] if tier1 and xor_row else None,
+                                                 [(a, b) for _, a, b in lay.chunk_pieces[chunk]])
+        return cls(chunk, lay.segments[seg].group, pages, page_tensors, undo_pages, copies, tier1, tier2, first,
+                   len(pieces), pieces, kinds[1:], fused)
 
     def pieces_for(self, skip: frozenset) -> ChunkPieces:
         """The optimizer's view of the chunk; params without a gradient this step left out."""
