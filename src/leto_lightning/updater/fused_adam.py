@@ -1,8 +1,9 @@
-"""The fused Adam chunk update: math, tier-1 parity delta and checksums in one pass.
+"""The fused Adam chunk update: undo copy, math, tier-1 parity delta and checksums in one pass.
 
-``ChunkTransactions`` runs an Adam/AdamW chunk as: undo copy, then this one call, which walks
-the chunk in blocks of 4 KiB and, while a block is in cache, applies torch's single-tensor
-Adam math to it, folds ``old ^ new`` into the XOR parity page and extends the page's CRC-64.
+``ChunkTransactions`` runs an Adam/AdamW chunk as this one call (after the undo header), which
+walks the chunk in blocks of 16 KiB of each buffer and, while a block is in cache, saves its
+undo copy, applies torch's single-tensor Adam math to it, folds ``old ^ new`` into the XOR
+parity page and extends the page's CRC-64.
 Unfused, the same work is about ten passes over the chunk (torch's Adam is one pass per
 operation) plus one for the delta and one for the checksum; at large sizes each pass runs at
 last-level-cache speed, and the update cost 2-3x torch's own ``optimizer.step()``.
