@@ -43,8 +43,9 @@ def test_the_kernel_is_built_and_used_here():
 @given(page_elems=st.sampled_from([16, 48, 1024, 1040, 4096, 9232]), n_pages=st.integers(1, 3),
        n_cuts=st.integers(0, 6), seed=st.integers(0, 2**31 - 1), lr=st.floats(1e-5, 0.5),
        beta1=st.sampled_from([0.0, 0.3, 0.5, 0.8, 0.9, 0.99]), beta2=st.sampled_from([0.9, 0.95, 0.999, 0.9999]),
-       eps=st.sampled_from([1e-8, 1e-6, 1e-3]), wd=st.sampled_from([0.0, 0.01, 0.1, 1.5]), decoupled=st.booleans())
-def test_kernel_reproduces_torch_adam(page_elems, n_pages, n_cuts, seed, lr, beta1, beta2, eps, wd, decoupled):
+       eps=st.sampled_from([1e-8, 1e-6, 1e-3]), wd=st.sampled_from([0.0, 0.01, 0.1, 1.5]), decoupled=st.booleans(),
+       shared=st.booleans())
+def test_kernel_reproduces_torch_adam(page_elems, n_pages, n_cuts, seed, lr, beta1, beta2, eps, wd, decoupled, shared):
     rng = random.Random(seed)
     n = page_elems * n_pages
     cuts = sorted({0, rng.randrange(n // 2, n + 1), *(rng.randrange(n) for _ in range(n_cuts))})
@@ -53,7 +54,7 @@ def test_kernel_reproduces_torch_adam(page_elems, n_pages, n_cuts, seed, lr, bet
     steps = [float(rng.choice([1, 2, 3, 10, 999, 2**20])) for _ in cuts[1:]]
     hp = {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": wd, "decoupled_weight_decay": decoupled}
     assert KERNEL is not None and fused_adam.reproduces_torch(KERNEL, page_elems, n_pages, cuts, hp, steps,
-                                                              torch.Generator().manual_seed(seed))
+                                                              torch.Generator().manual_seed(seed), shared_parity=shared)
 
 
 class Net(torch.nn.Module):

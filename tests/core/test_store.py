@@ -145,3 +145,29 @@ def test_agreement_from_every_ranks_progress():
     assert local_agreement({0: RankProgress(prepared, 5), 1: ["committed", 4, False]}) == Agreement(5, False, None)
     assert local_agreement({0: RankProgress(committed, 7, open=True), 1: None}) == Agreement(7, False, 7)
     assert local_agreement({}) == Agreement(None, True, None)
+
+
+@pytest.mark.parametrize("chunk_pages,data_pages", [(1, 8), (2, 3), (1, 1)])
+def test_tier1_groups_follow_the_chunks(chunk_pages, data_pages):
+    """The pages one chunk transaction rewrites are consecutive in group order (the fused Adam
+    update folds a block's three deltas into one parity block); gradients are grouped apart;
+    every page is in exactly one group, at the column ``column`` says."""
+    from leto_lightning.retained.groups import Tier1Plan
+    from leto_lightning.retained.layout import GRAD
+
+    groups = [[("a", (1000,), torch.float32), ("b", (77,), torch.float32)], [("c", (300,), torch.float64)]]
+    lay = build_layout(groups, family="adam", group_options=[{}, {}], page_bytes=256, chunk_pages=chunk_pages)
+    plan = Tier1Plan(lay, data_pages, 1, include_grads=True)
+    order = [p for g in plan.groups for p in g]
+    assert sorted(order) == list(range(lay.n_pages))
+    assert all(len(g) <= data_pages for g in plan.groups)
+    for chunk in range(lay.n_chunks):
+        pages = lay.chunk_pages_updated(chunk)
+        at = order.index(pages[0])
+        assert order[at : at + len(pages)] == pages
+    segment_of = {p: r.segment for r in lay.regions for p in range(r.first_page, r.first_page + r.n_pages)}
+    for g, pages in enumerate(plan.groups):
+        assert len({lay.page_kind[p] == GRAD for p in pages}) == 1  # never gradients and state in one group
+        assert len({segment_of[p] for p in pages}) == 1
+        assert [plan.column(p) for p in pages] == list(range(len(pages)))
+        assert all(plan.page_group[p] == g for p in pages)

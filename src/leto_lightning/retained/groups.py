@@ -1,8 +1,13 @@
 """Which pages each parity page protects: tier-1 groups and tier-2 stripes.
 
-Tier 1 (per device): the pages of every region are cut into groups of D consecutive pages;
-each group has H1 parity pages. Groups never span two regions, so rewriting one kind of
-buffer (e.g. re-encoding the gradients at prepare) never disturbs the parity of another.
+Tier 1 (per device): each group is D pages with H1 parity pages. The pages a chunk transaction
+rewrites (a segment's params and optimizer state) are taken chunk by chunk -- chunk 0's param,
+``exp_avg`` and ``exp_avg_sq`` pages, then chunk 1's... -- and cut into groups of D in that
+order, so the pages one transaction updates together mostly share their parity pages: the fused
+Adam update folds the three deltas of a block into one parity block while it is in cache,
+instead of three parity pages from three groups. The gradients of a segment are grouped apart
+(D consecutive gradient pages), so re-encoding them at prepare never disturbs the parity of
+the state.
 
 Tier 2 (across the devices of a node): page ``p`` of every device forms stripe ``p`` -- all
 ranks of a data-parallel job share the same layout -- with H2 parity pages. Only pages that
@@ -31,13 +36,19 @@ class Tier1Plan:
 
     @cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
+        lay = self.layout
         out: list[tuple[int, ...]] = []
-        for r in self.layout.regions:
-            if r.kind == GRAD and not self.include_grads:
-                continue
-            for start in range(r.first_page, r.first_page + r.n_pages, self.data_pages):
-                out.append(tuple(range(start, min(start + self.data_pages, r.first_page + r.n_pages))))
+        for seg in lay.segments:
+            updated = [p for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
+                       for p in lay.chunk_pages_updated(c)]
+            out += self._cut(updated)
+            if self.include_grads and GRAD in seg.kinds:
+                r = lay.region(seg.index, GRAD)
+                out += self._cut(list(range(r.first_page, r.first_page + r.n_pages)))
         return tuple(out)
+
+    def _cut(self, pages: list[int]) -> list[tuple[int, ...]]:
+        return [tuple(pages[i : i + self.data_pages]) for i in range(0, len(pages), self.data_pages)]
 
     @cached_property
     def page_group(self) -> np.ndarray:
@@ -47,9 +58,16 @@ class Tier1Plan:
             out[list(pages)] = g
         return out
 
+    @cached_property
+    def _columns(self) -> np.ndarray:
+        out = np.full(self.layout.n_pages, -1, dtype=np.int64)
+        for pages in self.groups:
+            out[list(pages)] = np.arange(len(pages))
+        return out
+
     def column(self, page: int) -> int:
         """Position of ``page`` inside its group: its column of the generator matrix."""
-        return page - self.groups[int(self.page_group[page])][0]
+        return int(self._columns[page])
 
     @property
     def n_groups(self) -> int:
