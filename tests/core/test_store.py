@@ -149,9 +149,10 @@ def test_agreement_from_every_ranks_progress():
 
 @pytest.mark.parametrize("chunk_pages,data_pages", [(1, 8), (2, 3), (1, 1)])
 def test_tier1_groups_follow_the_chunks(chunk_pages, data_pages):
-    """The pages one chunk transaction rewrites are consecutive in group order (the fused Adam
-    update folds a block's three deltas into one parity block); gradients are grouped apart;
-    every page is in exactly one group, at the column ``column`` says."""
+    """Group order is the fused Adam update's walk: a chunk's pages are consecutive in it, page
+    ``j`` of every kind together (the kernel folds a block's three deltas into one parity
+    block); gradients are grouped apart; every page is in exactly one group, at the column
+    ``column`` says."""
     from leto_lightning.retained.groups import Tier1Plan
     from leto_lightning.retained.layout import GRAD
 
@@ -162,9 +163,10 @@ def test_tier1_groups_follow_the_chunks(chunk_pages, data_pages):
     assert sorted(order) == list(range(lay.n_pages))
     assert all(len(g) <= data_pages for g in plan.groups)
     for chunk in range(lay.n_chunks):
-        pages = lay.chunk_pages_updated(chunk)
-        at = order.index(pages[0])
-        assert order[at : at + len(pages)] == pages
+        kinds = lay.update_kinds(int(lay.chunk_segment[chunk]))
+        walk = [lay.chunk_page_range(chunk, k)[j] for j in range(chunk_pages) for k in kinds]
+        at = order.index(walk[0])
+        assert order[at : at + len(walk)] == walk
     segment_of = {p: r.segment for r in lay.regions for p in range(r.first_page, r.first_page + r.n_pages)}
     for g, pages in enumerate(plan.groups):
         assert len({lay.page_kind[p] == GRAD for p in pages}) == 1  # never gradients and state in one group

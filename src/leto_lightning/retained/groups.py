@@ -1,13 +1,13 @@
 """Which pages each parity page protects: tier-1 groups and tier-2 stripes.
 
 Tier 1 (per device): each group is D pages with H1 parity pages. The pages a chunk transaction
-rewrites (a segment's params and optimizer state) are taken chunk by chunk -- chunk 0's param,
-``exp_avg`` and ``exp_avg_sq`` pages, then chunk 1's... -- and cut into groups of D in that
-order, so the pages one transaction updates together mostly share their parity pages: the fused
-Adam update folds the three deltas of a block into one parity block while it is in cache,
-instead of three parity pages from three groups. The gradients of a segment are grouped apart
-(D consecutive gradient pages), so re-encoding them at prepare never disturbs the parity of
-the state.
+rewrites (a segment's params and optimizer state) are taken in the order the fused Adam update
+walks them -- chunk 0's first param, ``exp_avg`` and ``exp_avg_sq`` pages, then its second
+ones..., then chunk 1's -- and cut into groups of D in that order, so the pages updated
+together mostly share their parity pages: the kernel folds the three deltas of a block into one
+parity block while it is in cache, instead of three parity pages from three groups. The
+gradients of a segment are grouped apart (D consecutive gradient pages), so re-encoding them at
+prepare never disturbs the parity of the state.
 
 Tier 2 (across the devices of a node): page ``p`` of every device forms stripe ``p`` -- all
 ranks of a data-parallel job share the same layout -- with H2 parity pages. Only pages that
@@ -39,8 +39,9 @@ class Tier1Plan:
         lay = self.layout
         out: list[tuple[int, ...]] = []
         for seg in lay.segments:
-            updated = [p for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
-                       for p in lay.chunk_pages_updated(c)]
+            kinds = lay.update_kinds(seg.index)
+            updated = [lay.chunk_page_range(c, kind)[j] for c in range(seg.first_chunk, seg.first_chunk + seg.n_chunks)
+                       for j in range(lay.chunk_pages) for kind in kinds]
             out += self._cut(updated)
             if self.include_grads and GRAD in seg.kinds:
                 r = lay.region(seg.index, GRAD)

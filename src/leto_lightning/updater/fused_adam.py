@@ -142,15 +142,22 @@ class FusedChunk:
     parity: np.ndarray | None  # uint64 addresses of each page's XOR parity page, kind-major
     pieces: np.ndarray  # int64 [n, 2] element ranges relative to the chunk
 
-    def run(self, k: Kernel, begin: int, end: int, rows: np.ndarray, pieces: np.ndarray, crcs: np.ndarray,
+    def __post_init__(self) -> None:
+        # Addresses read once: a numpy ``.ctypes`` lookup costs about a microsecond, per call.
+        self._parity_at = self.parity.ctypes.data if self.parity is not None else None
+        self._pieces_at = self.pieces.ctypes.data
+
+    def run(self, k: Kernel, begin: int, end: int, rows: np.ndarray, pieces: np.ndarray | None, crcs: np.ndarray,
             progress: np.ndarray | None = None) -> None:
         """Elements ``[begin, end)`` of every kind; ``crcs`` carries the running checksums.
-        ``progress`` (one int64 word in retained memory): save the undo copies as it goes and
-        count the bytes per kind saved there (see the C file); None: they are saved already."""
+        ``pieces``: a subset of the chunk's pieces (params without a gradient left out), None
+        for all of them; ``rows`` one row of ``piece_hparams`` per piece run. ``progress`` (one
+        int64 word in retained memory): save the undo copies as it goes and count the bytes per
+        kind saved there (see the C file); None: they are saved already."""
+        n_pieces, at = (len(self.pieces), self._pieces_at) if pieces is None else (len(pieces), pieces.ctypes.data)
         rc = k.function(begin, end, self.page_elems, self.n_pages, *self.pointers,
-                        progress.ctypes.data if progress is not None else None,
-                        self.parity.ctypes.data if self.parity is not None else None, crcs.ctypes.data,
-                        len(pieces), pieces.ctypes.data, rows.ctypes.data, k.crc, k.sqrt)
+                        progress.ctypes.data if progress is not None else None, self._parity_at, crcs.ctypes.data,
+                        n_pieces, at, rows.ctypes.data, k.crc, k.sqrt)
         if rc != 0:  # pragma: no cover - the plan is built to the kernel's contract
             raise RuntimeError(f"leto_adam_chunk refused its arguments (begin={begin}, end={end})")
 
@@ -228,7 +235,7 @@ def reproduces_torch(k: Kernel, page_elems: int, n_pages: int, cuts: Sequence[in
     assert fused is not None
     rows = np.array([piece_hparams(hp, s) for s in steps], dtype=np.float32).reshape(len(pieces), HP_FIELDS)
     crcs, progress = np.zeros(3 * n_pages, dtype=np.uint64), np.zeros(1, dtype=np.int64)
-    fused.run(k, 0, n, rows, fused.pieces, crcs, progress)
+    fused.run(k, 0, n, rows, None, crcs, progress)
     return (int(progress[0]) == 4 * n and all(torch.equal(a, b) for a, b in zip(undo, old))
             and all(torch.equal(a, b) for a, b in zip(state[:3], ref))
             and all(torch.equal(par.view(torch.int32), expected[id(par)]) for par in distinct)

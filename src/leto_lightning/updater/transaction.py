@@ -176,6 +176,7 @@ class ChunkTransactions:
         point("chunk.undo_copied", chunk=chunk)
         table[chunk, 1] = UNDO_SAVED
         point("chunk.undo_marked", chunk=chunk)
+        sums: Sequence[int] | np.ndarray | None
         if kernel is None:
             apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
             point("chunk.math_done", chunk=chunk)
@@ -222,7 +223,7 @@ class ChunkTransactions:
         point("chunk.undo_pages_copied", chunk=plan.chunk)
         self.meta.write_header(head)  # both checksummed copies: from here on the chunk is in flight
 
-    def _fused_update(self, plan: ChunkPlan, kernel: fused_adam.Kernel, hp: dict, skip: frozenset) -> list[int]:
+    def _fused_update(self, plan: ChunkPlan, kernel: fused_adam.Kernel, hp: dict, skip: frozenset) -> np.ndarray:
         """Undo copy, Adam's math, the tier-1 delta and the new checksums in one pass over the
         chunk (``fused_adam``), the same bits as the unfused steps. Recovery restores the bytes
         the kernel saved (``progress``) and re-checks parity whatever the phase a crash hit."""
@@ -233,7 +234,7 @@ class ChunkTransactions:
         for r, j in enumerate(pieces):
             steps[plan.first_piece + j] += 1  # as torch: step_t += 1 (float32), then its value
             rows[r] = fused_adam.piece_hparams(hp, float(steps[plan.first_piece + j]))
-        ranges = plan.fused.pieces if len(pieces) == plan.n_pieces else plan.fused.pieces[pieces]
+        ranges = None if len(pieces) == plan.n_pieces else plan.fused.pieces[pieces]
         crcs = np.zeros(len(plan.pages), dtype=np.uint64)
         end = plan.fused.page_elems * plan.fused.n_pages
         if plan.fused.parity is None:  # no tier 1, or H1 > 1: the codec folds the deltas below
@@ -247,7 +248,7 @@ class ChunkTransactions:
         self._table[plan.chunk, 1] = MATH_DONE
         if plan.fused.parity is None:
             self._tier1_delta(plan, checksums=False)
-        return [to_i64(int(c)) for c in crcs]
+        return crcs.view(np.int64)  # the checksums as the int64 table stores them (to_i64)
 
     def _tier1_delta(self, plan: ParityDeltas, checksums: bool = True) -> list[int] | None:
         """Fold each page's change into its tier-1 parity; returns the pages' new checksums
