@@ -45,7 +45,7 @@ def test_trainer_construction_refuses_an_untested_lightning(monkeypatch) -> None
 
 def test_override_warns_instead(monkeypatch, caplog) -> None:
     monkeypatch.setenv(versions.ALLOW_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger=versions.__name__):
+    with caplog.at_level(logging.WARNING, logger="leto_lightning.integrations.tested"):
         check_lightning("2.7.1")
     assert "found lightning 2.7.1" in caplog.text and f"{versions.ALLOW_ENV}=1" in caplog.text
 

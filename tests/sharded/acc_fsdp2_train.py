@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
                 time.sleep(args.sleep)
                 if acc.sync_gradients:
                     norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM)
-                    rows.write(json.dumps({"step": done, "losses": window, "norm": norm.full_tensor().item()}) + "\n")
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor before 1.16
+                    rows.write(json.dumps({"step": done, "losses": window, "norm": norm.item()}) + "\n")
                     rows.flush()
                     window = []
                 opt.step()

@@ -65,6 +65,7 @@ DEBUG = "LETO_DEBUG"  # `leto` CLI: show tracebacks of expected errors too
 SECRET = "LETO_SECRET"  # the job's secret (multi-node), at least 16 characters
 SECRET_FILE = "LETO_SECRET_FILE"  # ... or a file holding it, readable by its owner only
 ALLOW_UNTESTED_LIGHTNING = "LETO_ALLOW_UNTESTED_LIGHTNING"  # "1": run a Lightning outside the tested range
+ALLOW_UNTESTED_ACCELERATE = "LETO_ALLOW_UNTESTED_ACCELERATE"  # "1": run an Accelerate outside the tested range
 NO_SUPERVISE = "LETO_NO_SUPERVISE"  # "1": a rank under torchrun/Lightning does not become its own agent
 JOB_PREFIX = "LETO_JOB_PREFIX"  # prepended to new job ids (a test session's leak guard)
 RECIPES_DIR = "LETO_RECIPES_DIR"  # where the recipe YAMLs are (default: recipes/ beside src/)

@@ -1,6 +1,6 @@
 """``LetoAccelerator``: ``accelerate.Accelerator`` whose optimizer state lives in retained memory.
 
-What it changes in ``Accelerator`` (each measured against Accelerate 1.15; docs/accelerate.md):
+What it changes in ``Accelerator`` (each measured against Accelerate 1.15 and 1.16; docs/accelerate.md):
 
 - construction -- refuses what it cannot protect (``checks.py``); under ``accelerate launch``
   or torchrun each worker ``exec``s into its rank's Leto agent (``runtime/per_rank.py``); under
@@ -59,6 +59,7 @@ from .optimizer import LetoAcceleratedOptimizer
 from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
 from .recovery_log import RecoveryLog, tracker_kwargs
 from .state import RunState
+from .versions import check_accelerate
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class LetoAccelerator(Accelerator):
     """
 
     def __init__(self, *args: Any, leto: LetoConfig | None = None, **kwargs: Any) -> None:
+        check_accelerate()
         if leto is not None and not isinstance(leto, LetoConfig):
             raise ConfigurationError(f"leto={leto!r}: pass leto=LetoConfig(...) (from leto_lightning.accelerate)")
         config = (leto if leto is not None else LetoConfig()).with_environment()
