@@ -12,10 +12,13 @@ share it (``cpu=True``).
 
 ``paired`` is the median over iterations of Leto's time / plain's in the same iteration (the
 two ran back to back). The update columns time ``opt.step()`` alone; ``upd. only`` is (median
-Leto update - median plain update) / median plain iteration, and ``zero_grad`` the same for
-``opt.zero_grad()``: the work Leto adds, with the forward/backward noise of a shared machine
-left out (whole iterations of ~5 s vary by a few per cent from run to run, more than the +1 %
-target; the forward and backward are the same computation for both).
+Leto update - median plain update) / median plain iteration, ``zero_grad`` the same for
+``opt.zero_grad()`` -- the work Leto adds -- and ``fwd+bwd`` the same for the rest of the
+iteration (forward, backward, clipping: the same computation for both, on retained parameters
+and gradients for Leto). On a shared machine single iterations of the larger sizes vary by
+several per cent, more than the +1 % target, so the three shares are the measure: the update
+and ``zero_grad`` shares are small phases timed alone, and ``fwd+bwd`` shows whether Leto's
+memory slows the model's own computation.
 """
 
 from __future__ import annotations
@@ -100,11 +103,13 @@ def summary(times: dict[str, list[tuple[float, ...]]]) -> dict[str, float]:
     iterations of Leto's time / plain's in the same iteration: both ran back to back, so a slow
     stretch of the machine hits both) and each phase's extra time as a share of plain's iteration."""
     med = {k: [statistics.median(t[i] for t in v) for i in range(len(PHASES))] for k, v in times.items()}
+    fwd_bwd = {k: statistics.median(t[0] - t[1] - t[2] for t in v) for k, v in times.items()}
     plain, leto = med["plain"], med["leto"]
     return {"plain": plain[0], "leto": leto[0], "ratio": leto[0] / plain[0],
             "paired": statistics.median(b[0] / a[0] for a, b in zip(times["plain"], times["leto"])),
             "plain_update": plain[1], "leto_update": leto[1],
-            "update_share": (leto[1] - plain[1]) / plain[0], "zero_share": (leto[2] - plain[2]) / plain[0]}
+            "update_share": (leto[1] - plain[1]) / plain[0], "zero_share": (leto[2] - plain[2]) / plain[0],
+            "fwd_bwd_share": (fwd_bwd["leto"] - fwd_bwd["plain"]) / plain[0]}
 
 
 def main() -> None:
@@ -116,13 +121,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     defaults = {"small": 40, "medium": 20, "large": 10, "large-3s": 12}
     print(f"{'size':8} {'Accelerator':>12} {'LetoAccelerator':>16} {'ratio':>7} {'paired':>7}  {'update: plain':>13} "
-          f"{'Leto':>8} {'upd. only':>9} {'zero_grad':>9}  bit-identical")
+          f"{'Leto':>8} {'upd. only':>9} {'zero_grad':>9} {'fwd+bwd':>8}  bit-identical")
     for name in args.sizes.split(","):
         times, same = run_size(name, args.iterations or defaults[name], warmup=2)
         r = summary(times)
         print(f"{name:8} {r['plain'] * 1e3:10.1f}ms {r['leto'] * 1e3:14.1f}ms {r['ratio']:7.3f} {r['paired']:7.3f}  "
               f"{r['plain_update'] * 1e3:11.1f}ms {r['leto_update'] * 1e3:6.1f}ms {r['update_share'] * 100:+8.2f}% "
-              f"{r['zero_share'] * 100:+8.2f}%  {same}", flush=True)
+              f"{r['zero_share'] * 100:+8.2f}% {r['fwd_bwd_share'] * 100:+7.2f}%  {same}", flush=True)
 
 
 if __name__ == "__main__":

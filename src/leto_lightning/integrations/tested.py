@@ -11,9 +11,11 @@ the refusal into a warning, for trying a new release.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
+from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -34,9 +36,17 @@ class TestedRange:
     highest: str
     allow_env: str
     risk: str  # why an untested version is refused
+    error: type[ConfigurationError]  # what the refusal raises
 
-    def check(self, found: str, error: type[ConfigurationError]) -> None:
-        """Raise ``error`` unless ``found`` is in the range; with ``allow_env=1`` log a warning."""
+    def installed(self) -> str:
+        """The version of the package this process imports."""
+        module = importlib.import_module(self.package)
+        return str(getattr(module, "__version__", None) or metadata.version(self.package))
+
+    def check(self, version: str | None = None) -> None:
+        """Raise ``error`` unless ``version`` (default: the installed one) is in the range; with
+        ``allow_env=1`` in the environment log a warning instead."""
+        found = version if version is not None else self.installed()
         try:
             ok = Version(found) in SpecifierSet(self.spec)
         except InvalidVersion:
@@ -49,4 +59,4 @@ class TestedRange:
         if os.environ.get(self.allow_env) == "1":
             logger.warning("%s -- continuing because %s=1", message, self.allow_env)
             return
-        raise error(message)
+        raise self.error(message)

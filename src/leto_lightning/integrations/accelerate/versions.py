@@ -11,8 +11,6 @@ the lowest (``.ci/run``).
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from ...errors import ConfigurationError
 from ...runtime.contract import ALLOW_UNTESTED_ACCELERATE
 from ..tested import TestedRange
@@ -21,23 +19,18 @@ ACCELERATE_RANGE = ">=1.15.0,<1.17"  # lowest and highest tested: 1.15.0 and 1.1
 LOWEST_TESTED = "1.15.0"
 HIGHEST_TESTED = "1.16.0"
 ALLOW_ENV = ALLOW_UNTESTED_ACCELERATE
-TESTED = TestedRange("accelerate", "LetoAccelerator", ACCELERATE_RANGE, LOWEST_TESTED, HIGHEST_TESTED, ALLOW_ENV,
-                     "It depends on Accelerate internals that change between releases, so an untested version could "
-                     "train or resume differently from Accelerator.")
 
 
 class UntestedAccelerateError(ConfigurationError):
     """The installed Accelerate is outside the range ``LetoAccelerator`` is tested with."""
 
 
-def installed_accelerate() -> str:
-    """The version of the ``accelerate`` package this process imports."""
-    import accelerate
-
-    return str(getattr(accelerate, "__version__", None) or metadata.version("accelerate"))
+TESTED = TestedRange("accelerate", "LetoAccelerator", ACCELERATE_RANGE, LOWEST_TESTED, HIGHEST_TESTED, ALLOW_ENV,
+                     "It depends on Accelerate internals that change between releases, so an untested version could "
+                     "train or resume differently from Accelerator.", UntestedAccelerateError)
 
 
 def check_accelerate(version: str | None = None) -> None:
     """Raise ``UntestedAccelerateError`` unless ``version`` (default: the installed one) is in
     ``ACCELERATE_RANGE``; with ``LETO_ALLOW_UNTESTED_ACCELERATE=1`` log a warning instead."""
-    TESTED.check(version if version is not None else installed_accelerate(), UntestedAccelerateError)
+    TESTED.check(version)

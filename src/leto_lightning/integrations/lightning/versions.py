@@ -9,8 +9,6 @@ highest version of the range and a fast subset on the lowest (``.ci/run``).
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from ...errors import ConfigurationError
 from ...runtime.contract import ALLOW_UNTESTED_LIGHTNING
 from ..tested import TestedRange
@@ -19,23 +17,18 @@ LIGHTNING_RANGE = ">=2.6.0,<2.7"  # lowest and highest tested: 2.6.0 and 2.6.6 (
 LOWEST_TESTED = "2.6.0"
 HIGHEST_TESTED = "2.6.6"
 ALLOW_ENV = ALLOW_UNTESTED_LIGHTNING
-TESTED = TestedRange("lightning", "LetoStrategy", LIGHTNING_RANGE, LOWEST_TESTED, HIGHEST_TESTED, ALLOW_ENV,
-                     "It depends on Lightning internals that change between releases, so an untested version could "
-                     "resume training wrongly.")
 
 
 class UntestedLightningError(ConfigurationError):
     """The installed Lightning is outside the range ``LetoStrategy`` is tested with."""
 
 
-def installed_lightning() -> str:
-    """The version of the ``lightning`` package this process imports."""
-    import lightning
-
-    return str(getattr(lightning, "__version__", None) or metadata.version("lightning"))
+TESTED = TestedRange("lightning", "LetoStrategy", LIGHTNING_RANGE, LOWEST_TESTED, HIGHEST_TESTED, ALLOW_ENV,
+                     "It depends on Lightning internals that change between releases, so an untested version could "
+                     "resume training wrongly.", UntestedLightningError)
 
 
 def check_lightning(version: str | None = None) -> None:
     """Raise ``UntestedLightningError`` unless ``version`` (default: the installed one) is in
     ``LIGHTNING_RANGE``; with ``LETO_ALLOW_UNTESTED_LIGHTNING=1`` log a warning instead."""
-    TESTED.check(version if version is not None else installed_lightning(), UntestedLightningError)
+    TESTED.check(version)
