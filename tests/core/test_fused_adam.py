@@ -136,3 +136,64 @@ def test_sigkill_at_random_times_inside_the_kernel(xor_scenario):
     bad = [details for ok, _, details in results if not ok]
     assert not bad, f"{len(bad)} of {len(results)} cases not bit-identical; first: {bad[0]}"
     assert sum(killed for _, killed, _ in results) >= 12, "too few cases really killed a rank"
+
+
+@needs_kernel
+def test_undo_contract_holds_under_sigkill_at_random_times():
+    """The kernel's own contract, over a chunk of many save batches (16 MiB per kind, 64 blocks
+    a batch): killed at any moment, every byte before the count in ``progress`` is in the undo
+    copy and every byte at or past it is untouched -- so restoring the counted bytes gives the
+    old chunk back exactly. Real shared memory, forked children SIGKILLed from the parent."""
+    import signal
+    import time
+
+    import numpy as np
+
+    assert KERNEL is not None
+    n_pages, page_elems = 4, 1 << 20  # 4 MiB pages
+    n = n_pages * page_elems
+    gen = torch.Generator().manual_seed(7)
+    old = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4]
+    grads = torch.randn(n, generator=gen).share_memory_()
+    state = [t.clone().share_memory_() for t in old]
+    undo = [torch.empty(n).share_memory_() for _ in range(3)]
+    progress = torch.zeros(1, dtype=torch.int64).share_memory_()
+    pages = [t.view(torch.uint8).view(n_pages, -1)[j] for t in state for j in range(n_pages)]
+    undo_pages = [t.view(torch.uint8).view(n_pages, -1)[j] for t in undo for j in range(n_pages)]
+    fused = fused_adam.build_fused_chunk(pages, undo_pages, grads, None, [(0, n)])
+    assert fused is not None
+    hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True}
+    rows = np.array([fused_adam.piece_hparams(hp, 3.0)], dtype=np.float32)
+
+    def reset() -> None:
+        for t, o, u in zip(state, old, undo):
+            t.copy_(o)
+            u.fill_(float("nan"))
+        progress.zero_()
+
+    def run() -> None:
+        fused.run(KERNEL, 0, n, rows, None, np.zeros(3 * n_pages, dtype=np.uint64), progress.numpy())
+
+    reset()
+    start = time.perf_counter()
+    run()
+    duration = time.perf_counter() - start
+    rng = random.Random(11)
+    outcomes = []
+    for _ in range(30):
+        reset()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            run()
+            os._exit(0)
+        time.sleep(rng.uniform(0.0, 1.2 * duration))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        saved = int(progress[0]) // 4  # elements per kind
+        assert 0 <= saved <= n
+        for t, o, u in zip(state, old, undo):
+            assert torch.equal(u[:saved], o[:saved]), "a counted byte is missing from the undo copy"
+            assert torch.equal(t[saved:], o[saved:]), "a byte past the count was modified"
+        outcomes.append((os.WIFSIGNALED(status), saved))
+    mid = [saved for killed, saved in outcomes if killed and 0 < saved < n]
+    assert len(mid) >= 10, f"too few kills inside the pass: {outcomes}"
