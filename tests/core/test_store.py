@@ -173,3 +173,42 @@ def test_tier1_groups_follow_the_chunks(chunk_pages, data_pages):
         assert len({segment_of[p] for p in pages}) == 1
         assert [plan.column(p) for p in pages] == list(range(len(pages)))
         assert all(plan.page_group[p] == g for p in pages)
+
+
+def test_attach_waits_for_the_creator_to_size_the_segment(monkeypatch):
+    """``create`` is ``shm_open`` then ``ftruncate``: a peer attaching in between (the node's ranks
+    racing for the tier-2 segment) must wait for the size, not fail on an empty file; an empty
+    segment whose creator died is refused with a clear error instead of mmap's ValueError."""
+    import signal
+    import time
+
+    from leto_lightning.errors import IncompleteStoreError
+    from leto_lightning.retained import shm
+
+    job = new_job_id()
+    name = segment_name(job, "tier2")
+    fd = shm._shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # created, not yet sized
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the creator, late with its ftruncate
+        time.sleep(0.3)
+        os.ftruncate(fd, 8192)
+        os._exit(0)
+    try:
+        seg = SharedSegment.attach(name)
+        assert seg.nbytes == 8192
+        seg.close()
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        pid = 0
+        empty = segment_name(job, "empty")
+        os.close(shm._shm_open(empty, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # its creator "died" here
+        monkeypatch.setattr(shm, "SIZING_WAIT_S", 0.2)
+        with pytest.raises(IncompleteStoreError, match="still empty after 0.2 s"):
+            SharedSegment.attach(empty)
+    finally:
+        os.close(fd)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        unlink_segments(job)
+    assert not [s for s in list_segments() if job in s]

@@ -15,11 +15,12 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigurationError, UsageError
+from ..errors import ConfigurationError, IncompleteStoreError, UsageError
 from ..runtime.contract import JOB_PREFIX
 
 try:  # CPython's private helper, present on every POSIX build
@@ -29,6 +30,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "leto-"
+SIZING_WAIT_S = 5.0  # how long an attacher waits for a segment's creator to give it its size
 
 
 def new_job_id() -> str:
@@ -72,7 +74,7 @@ class SharedSegment:
         """Map an existing segment (e.g. from a shadow trainer after the active one died)."""
         fd = _shm_open(name, os.O_RDWR, 0o600)
         try:
-            nbytes = os.fstat(fd).st_size
+            nbytes = _sized(fd, name)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -103,6 +105,23 @@ class SharedSegment:
 
     def unlink(self) -> None:
         unlink_segment(self.name)
+
+
+def _sized(fd: int, name: str) -> int:
+    """The segment's size, once its creator has set it. Why wait: ``create`` is ``shm_open``
+    then ``ftruncate``, so a peer that attaches in between (the node's ranks racing for the
+    shared tier-2 segment, on a loaded machine) finds an empty file. Every created segment has
+    a positive size, so an empty one is one being created -- or one whose creator died in
+    between, which stays empty and is refused after ``SIZING_WAIT_S``."""
+    wait_s = SIZING_WAIT_S
+    deadline, pause = time.monotonic() + wait_s, 0.001
+    while (nbytes := os.fstat(fd).st_size) == 0:
+        if time.monotonic() >= deadline:
+            raise IncompleteStoreError(f"segment {name!r} is still empty after {wait_s:g} s: its creator died "
+                                       "before sizing it. Start the job again (from its last checkpoint).")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    return nbytes
 
 
 def _shm_open(name: str, flags: int, mode: int) -> int:

@@ -41,7 +41,7 @@ enum { HP_DECAY, HP_L2, HP_W1, HP_BETA2, HP_C2, HP_BC2_SQRT, HP_EPS, HP_NEG_STEP
 #define BLOCK 4096 /* elements per block: 16 KiB of each of the ~10 streams, in L2 (measured best) */
 #endif
 #ifndef SAVE_BLOCKS
-#define SAVE_BLOCKS 8 /* blocks saved at once, then one fence: ~4 ms less per 25 M params than a fence per block */
+#define SAVE_BLOCKS 8 /* blocks saved, then one fence: ~4 ms less per 25 M params than a fence a block */
 #endif
 #ifndef ENCODE_BLOCK
 #define ENCODE_BLOCK 65536 /* bytes per page and block of the gradient encode: 8 streams in L2 */
@@ -162,9 +162,10 @@ static void saved_fence(void)
  * ``progress`` NULL: the undo copies (up, um, uv) already hold the chunk's old contents.
  * Otherwise the kernel saves them itself as it goes, while the blocks are in cache: it copies
  * the next SAVE_BLOCKS blocks of every kind, then stores the count of bytes per kind whose undo
- * copy is complete in *progress, and only then modifies those blocks. A process killed at any instruction
- * leaves every byte at or past *progress untouched, and every byte before it in the undo copy
- * (recovery.restore_in_flight restores exactly those). Returns 0, or -1 on bad arguments. */
+ * copy is complete in *progress, and only then modifies those blocks. A process killed at any
+ * instruction leaves every byte at or past *progress untouched, and every byte before it in the
+ * undo copy (recovery.restore_in_flight restores exactly those). Returns 0, or -1 on bad
+ * arguments. */
 int leto_adam_chunk(int64_t begin, int64_t end, int64_t page_elems, int n_pages,
                     float *p, float *m, float *v, const float *g,
                     float *up, float *um, float *uv, int64_t *progress,
