@@ -12,9 +12,9 @@ import tomllib
 from packaging.requirements import Requirement
 
 from leto_lightning.errors import ConfigurationError
+from leto_lightning.integrations import tested as tested_ranges
 from leto_lightning.integrations.accelerate import versions as accelerate_versions
 from leto_lightning.integrations.lightning import versions as lightning_versions
-from leto_lightning.integrations.tested import TestedRange
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # per framework: its range, versions inside it, versions outside it
@@ -29,12 +29,12 @@ def _cases(which: int) -> list:
 
 
 @pytest.mark.parametrize("tested,version", _cases(0))
-def test_tested_range_accepted(tested: TestedRange, version: str) -> None:
+def test_tested_range_accepted(tested: tested_ranges.TestedRange, version: str) -> None:
     tested.check(version)
 
 
 @pytest.mark.parametrize("tested,version", _cases(1))
-def test_outside_the_range_refused_naming_version_range_and_fix(tested: TestedRange, version: str,
+def test_outside_the_range_refused_naming_version_range_and_fix(tested: tested_ranges.TestedRange, version: str,
                                                                 monkeypatch) -> None:
     monkeypatch.delenv(tested.allow_env, raising=False)
     with pytest.raises(tested.error) as err:
