@@ -9,9 +9,11 @@ kernel, chosen below) from the same ``libisal`` the erasure engine loads; withou
 (slower, 32 bits). The two give different numbers, so ``CHECKSUM_ALGORITHM`` names the
 active one and a store must record it and refuse to compare across algorithms.
 
-CUDA pages are checksummed on a host copy (one device-to-host transfer per page):
-simple and exactly the same function as for host pages. A device-side checksum is a
-later optimisation.
+Pages in device memory (the CUDA backend) are checksummed where they are, with
+``device.HASH_ALGORITHM`` (a multilinear hash, ``protection/device.py``): a CRC is byte-serial,
+and copying every page to the host to checksum it would move the whole state over PCIe at
+every step. Which algorithm a page's checksum uses is a function of where the page lives
+(``algorithm_for``), and a store's pages never move between host and device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigurationError
+from . import device as _device
 from .engines.isal import load_isal
 from .errors import PageTypeError
 
@@ -101,30 +104,52 @@ def available_algorithms() -> list[str]:
     return sorted(_ALGORITHMS, key=lambda name: name != CHECKSUM_ALGORITHM)
 
 
-def _host_bytes(page: torch.Tensor) -> torch.Tensor:
+def algorithm_for(device: torch.device) -> str:
+    """The checksum of pages that live on ``device``: ``CHECKSUM_ALGORITHM`` in host memory,
+    ``device.HASH_ALGORITHM`` in device memory (computed there)."""
+    return CHECKSUM_ALGORITHM if device.type == "cpu" else _device.HASH_ALGORITHM
+
+
+def _mul64(flat: torch.Tensor) -> int:
+    return int(_device.page_hashes(flat.view(1, -1))[0]) & _U64
+
+
+_U64 = (1 << 64) - 1
+
+
+def _flat_bytes(page: torch.Tensor) -> torch.Tensor:
     if not isinstance(page, torch.Tensor):
         raise PageTypeError(f"page must be a torch.Tensor, got {type(page).__name__}")
     if not page.is_contiguous():
         raise PageTypeError("page must be contiguous (a checksum covers one flat byte range)")
-    if page.device.type != "cpu":
-        page = page.cpu()  # documented: device pages are checksummed on a host copy
     return page.reshape(-1).view(torch.uint8)
 
 
 def checksum(page: torch.Tensor, algorithm: str | None = None) -> int:
     """Checksum of a contiguous tensor's bytes (any dtype), as an unsigned int.
 
-    ``algorithm`` defaults to ``CHECKSUM_ALGORITHM``; pass the name a store recorded to
-    recompute checksums written on a machine with a different default.
+    ``algorithm`` defaults to the one for the page's device (``algorithm_for``); pass a name to
+    recompute checksums written with another one (a store written on a machine without ISA-L).
     """
-    name = algorithm or CHECKSUM_ALGORITHM
+    flat = _flat_bytes(page)
+    name = algorithm or algorithm_for(flat.device)
+    if name == _device.HASH_ALGORITHM:
+        return _mul64(flat)
     fn = _ALGORITHMS.get(name)
     if fn is None:
         raise ConfigurationError(f"checksum algorithm {name!r} is not available here; "
                                  f"available: {available_algorithms()}")
-    return fn(_host_bytes(page))
+    return fn(flat.cpu())
 
 
 def checksum_many(pages: Iterable[torch.Tensor], algorithm: str | None = None) -> list[int]:
     """Checksums of several pages, in order."""
     return [checksum(p, algorithm) for p in pages]
+
+
+def page_checksums(pages: torch.Tensor) -> list[int]:
+    """The checksums of the rows of ``pages`` (``(P, page_bytes)``), as ``checksum`` gives them,
+    in one batch: on a device one hash pass and one small copy back, instead of P."""
+    if pages.device.type == "cpu":
+        return [checksum(p) for p in pages]
+    return [int(v) & _U64 for v in _device.page_hashes(pages).tolist()]

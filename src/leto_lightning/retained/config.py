@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import ConfigurationError
+from ..protection.checksum import CHECKSUM_ALGORITHM as HOST_CHECKSUM
+from ..protection.checksum import available_algorithms
+from ..protection.device import HASH_ALGORITHM as DEVICE_CHECKSUM
 
 MiB = 1 << 20
+PAGE_CHECKSUMS = ("auto", DEVICE_CHECKSUM, *available_algorithms())
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,10 @@ class RetainedConfig:
     backend:      where the ``data`` and ``undo`` segments live: "cpu" (POSIX shared memory) or
                   "cuda" (device memory owned by a state-manager process, opened through CUDA IPC;
                   see docs/cuda-backend.md). Metadata and parity stay in host memory either way.
+    page_checksum: how pages are checksummed: "auto" (CRC-64 in host memory, the ``mul64-i32``
+                  hash computed on the device with backend="cuda"), or one of them by name.
+                  Choosing "mul64-i32" for host pages runs the device update path (parity
+                  re-encoded and pages hashed with tensor operations) on the CPU: the tests do.
     """
 
     page_bytes: int = 1 * MiB
@@ -38,6 +46,7 @@ class RetainedConfig:
     record_bytes: int = 1 * MiB
     engine: str = "auto"
     backend: str = "cpu"
+    page_checksum: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("page_bytes", self.page_bytes)
@@ -67,6 +76,18 @@ class RetainedConfig:
         if self.backend not in ("cpu", "cuda"):
             raise ConfigurationError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' "
                                      "(device memory)")
+        if self.page_checksum not in PAGE_CHECKSUMS:
+            raise ConfigurationError(f"page_checksum={self.page_checksum!r}: choose one of {PAGE_CHECKSUMS}")
+        if self.backend == "cuda" and self.page_checksum not in ("auto", DEVICE_CHECKSUM):
+            raise ConfigurationError(f"page_checksum={self.page_checksum!r} with backend='cuda' would copy every "
+                                     f"page to the host to checksum it: use 'auto' ({DEVICE_CHECKSUM} on the device)")
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The page checksum ``page_checksum`` resolves to."""
+        if self.page_checksum != "auto":
+            return self.page_checksum
+        return DEVICE_CHECKSUM if self.backend == "cuda" else HOST_CHECKSUM
 
     def check_devices(self, n_devices: int) -> None:
         """Tier 2 spans the devices of a node: validate H2 against how many there are."""

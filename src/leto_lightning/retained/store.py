@@ -27,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
 
 from ..errors import ConfigurationError, IncompleteStoreError, InternalError, UnrecoverableDamageError
 from ..faults.points import point
+from ..protection.checksum import checksum
+from ..protection.device import HASH_ALGORITHM as DEVICE_CHECKSUM
+from ..protection.device import page_hashes
 from .layout import ParamSlot, dtype_of
 from .record import ProgressRecord
 from .shm import SHM_DIR, SharedSegment, segment_name, unlink_segment
@@ -60,6 +64,12 @@ PHASE_NAMES = ("idle", "undo_saved", "math_done", "tier1_done", "tier2_done", "c
 UNDO_WHOLE = -1  # UNDO_CHUNK value of a whole-state transaction (generic optimizers)
 FLAG_GENERIC_STATE_BOUND = 0  # flags word: the generic optimizer's lazily created state lives in the store
 DEVICE_SEGMENTS = ("data", "undo")  # what backend="cuda" puts in device memory
+_HASH_RUN = 256  # pages hashed in one batch (recovery verifies every page)
+
+
+def to_i64(value: int) -> int:
+    """An unsigned 64-bit checksum as the int64 tables keep it."""
+    return value - (1 << 64) if value >= (1 << 63) else value
 
 
 class StoreMissingError(IncompleteStoreError, FileNotFoundError):
@@ -78,6 +88,7 @@ class RetainedStore:
         self.spec_findings: list[str] = []  # spec copies found damaged at attach (recovery rewrites them)
         self._build_views()
         self._t2_lock_fd: int | None = None
+        self._pinned: list[torch.Tensor] = []  # host segments registered with CUDA (pin_host_parity)
 
     # -- creation and attachment -------------------------------------------------------
     @classmethod
@@ -191,7 +202,26 @@ class RetainedStore:
     def segment_names(self) -> list[str]:
         return [s.name for s in self.segments.values()]
 
+    def pin_host_parity(self) -> None:
+        """With pages in device memory: page-lock the host parity segments in this process, so
+        parity computed on the device is copied into them by DMA (``cudaHostRegister``). Once per
+        process; ``close`` undoes it. Where CUDA refuses, copies are just slower."""
+        if self._pinned or self.pages.device.type != "cuda":
+            return
+        from .backends.cuda_ipc import register_host
+
+        for what in ("parity1", "parity2"):
+            seg = self.segments.get(what)
+            if seg is not None and register_host(seg.tensor):
+                self._pinned.append(seg.tensor)
+
     def close(self) -> None:
+        if self._pinned:
+            from .backends.cuda_ipc import unregister_host
+
+            for tensor in self._pinned:
+                unregister_host(tensor)
+            self._pinned = []
         for seg in self.segments.values():
             seg.close()
         if self._t2_lock_fd is not None:
@@ -250,6 +280,33 @@ class RetainedStore:
 
     def page(self, p: int) -> torch.Tensor:
         return self.pages[p]
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """How this store's pages are checksummed (``RetainedConfig.page_checksum``, resolved)."""
+        return self.config.checksum_algorithm
+
+    @property
+    def hashes_on_device(self) -> bool:
+        """Pages are checksummed by tensor operations where they live (``protection.device``):
+        true on a device; on the host only when configured so (the tests of that path)."""
+        return self.checksum_algorithm == DEVICE_CHECKSUM
+
+    def page_checksums(self, pages: Sequence[int]) -> list[int]:
+        """Checksums of ``pages`` as the table keeps them (int64), computed with this store's
+        algorithm; on a device in batches of consecutive pages (one copy back per batch)."""
+        out: list[int] = []
+        if not self.hashes_on_device:
+            return [to_i64(checksum(self.pages[p], self.checksum_algorithm)) for p in pages]
+        first = 0
+        pages = list(pages)
+        while first < len(pages):
+            stop = first + 1
+            while stop < len(pages) and pages[stop] == pages[stop - 1] + 1 and stop - first < _HASH_RUN:
+                stop += 1
+            out += page_hashes(self.pages[pages[first] : pages[stop - 1] + 1]).tolist()
+            first = stop
+        return out
 
     def tier2_parity(self, stripe: int) -> list[torch.Tensor]:
         """The H2 parity pages of tier-2 stripe ``stripe`` (the store must have tier 2)."""

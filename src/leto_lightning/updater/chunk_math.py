@@ -1,9 +1,15 @@
 """Optimizer math on one chunk: torch's own functional optimizers over the chunk's pieces.
 
-Calling ``torch.optim.adam.adam`` / ``torch.optim.sgd.sgd`` (single-tensor path) on slices
-of the flat buffers gives results bit-identical to ``torch.optim.Adam(...).step()`` on the
-whole parameters: the math is element-wise, and each piece (one parameter's part of the
-chunk) carries that parameter's own step counter (see ``StoreLayout.chunk_pieces``).
+Calling ``torch.optim.adam.adam`` / ``torch.optim.sgd.sgd`` on slices of the flat buffers gives
+results bit-identical to ``torch.optim.Adam(...).step()`` on the whole parameters: the math is
+element-wise, and each piece (one parameter's part of the chunk) carries that parameter's own
+step counter (see ``StoreLayout.chunk_pieces``).
+
+Which of torch's implementations runs is the one the optimizer itself would run
+(``uses_foreach``): on CUDA the multi-tensor ("foreach") kernels unless the param group says
+``foreach=False``; on the CPU the single-tensor loop. They are *not* interchangeable bit for bit on
+CUDA (float32: the foreach kernels round differently from the single-tensor ops), so the choice
+follows the optimizer's, not convenience.
 """
 
 from __future__ import annotations
@@ -39,6 +45,16 @@ def apply_update(family: str, hp: dict, pieces: ChunkPieces) -> None:
         raise ConfigurationError(f"no chunked math for optimizer family {family!r}")
 
 
+def uses_foreach(hp: dict, params: list[torch.Tensor]) -> bool:
+    """The implementation ``torch.optim`` picks for these params (``_default_to_fused_or_foreach``
+    with ``fused`` off, which the binding refuses): ``foreach`` as the group sets it, else the
+    multi-tensor kernels exactly when every param is a CUDA tensor."""
+    chosen = hp.get("foreach")
+    if chosen is not None:
+        return bool(chosen)
+    return bool(params) and all(p.is_cuda for p in params)
+
+
 def _adam(hp: dict, pieces: ChunkPieces) -> None:
     amsgrad = bool(hp.get("amsgrad", False))
     beta1, beta2 = hp["betas"]
@@ -49,7 +65,7 @@ def _adam(hp: dict, pieces: ChunkPieces) -> None:
         pieces.state["exp_avg_sq"],
         pieces.state.get("max_exp_avg_sq", []) if amsgrad else [],
         pieces.steps,
-        foreach=False,
+        foreach=uses_foreach(hp, pieces.params),
         capturable=False,
         differentiable=False,
         fused=None,
@@ -81,7 +97,7 @@ def _sgd(hp: dict, pieces: ChunkPieces) -> None:
         pieces.grads,
         passed,
         has_sparse_grad=False,
-        foreach=False,
+        foreach=uses_foreach(hp, pieces.params),
         fused=None,
         grad_scale=None,
         found_inf=None,

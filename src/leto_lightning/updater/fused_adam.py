@@ -113,8 +113,8 @@ def _torch_sqrt() -> int | None:
 
 def covers(hp: dict) -> bool:
     """Whether the kernel computes what torch's Adam does with this param group's settings."""
-    if hp.get("amsgrad") or hp.get("maximize"):
-        return False
+    if hp.get("amsgrad") or hp.get("maximize") or hp.get("foreach"):
+        return False  # foreach=True: torch runs its multi-tensor kernels, which this does not reproduce
     values = (hp["lr"], *hp["betas"], hp["eps"], hp["weight_decay"])
     return all(type(x) in (float, int) for x in values)  # a tensor lr/beta takes torch's own path
 

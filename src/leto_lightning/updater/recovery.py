@@ -372,7 +372,7 @@ def roll_forward(store: RetainedStore, rec: ProgressEntry, codes: ParityCodes) -
     t = rec.iteration
     versions = store.versions()
     pending = [c for c in range(store.layout.n_chunks) if int(versions[c]) == t]
-    txn = ChunkTransactions(store, codes)
+    txn = ChunkTransactions(store, codes, pin_parity=False)
     txn.update_chunks(t, rec.hparams, rec.skip_params, chunks=pending)
     txn.commit(t, rec.payload)
     return pending

@@ -23,10 +23,10 @@ import torch
 
 from ..errors import UnrecoverableDamageError
 from ..faults.points import point
-from ..protection.checksum import checksum
 from ..protection.codec import ReedSolomonCode
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore
+from .device_pages import DevicePages
 
 __all__ = ["RepairReport", "UnrecoverableDamageError", "find_damage", "page_ok", "repair", "verify_parity"]
 
@@ -44,14 +44,16 @@ class RepairReport:
 
 
 def page_ok(store: RetainedStore, page: int) -> bool:
-    crc = checksum(store.pages[page])
-    return (crc - (1 << 64) if crc >= (1 << 63) else crc) == int(store.crcs[page])
+    return store.page_checksums([page])[0] == int(store.crcs[page])
 
 
 def find_damage(store: RetainedStore, include_grads: bool) -> list[int]:
-    """Pages whose contents no longer match their recorded checksum."""
+    """Pages whose contents no longer match their recorded checksum (on a device, hashed there in
+    batches)."""
     kinds = store.layout.page_kind
-    return [p for p in range(store.layout.n_pages) if (include_grads or kinds[p] != GRAD) and not page_ok(store, p)]
+    pages = [p for p in range(store.layout.n_pages) if include_grads or kinds[p] != GRAD]
+    recorded = store.crcs.numpy()
+    return [p for p, crc in zip(pages, store.page_checksums(pages)) if crc != int(recorded[p])]
 
 
 def repair(
@@ -169,10 +171,16 @@ def verify_parity(stores: Mapping[int, RetainedStore], tier1: ReedSolomonCode | 
             break
         grads = include_grads is True or (include_grads is not False and r in include_grads)
         kinds, plan = store.layout.page_kind, store.spec.tier1
-        for g, pages in enumerate(plan.groups):
-            if kinds[pages[0]] == GRAD and not grads:
-                continue
-            data, parity = [store.pages[p] for p in pages], list(store.parity1[g])
+        checked = [g for g, pages in enumerate(plan.groups) if grads or kinds[pages[0]] != GRAD]
+        device = DevicePages(store, tier1, pin_parity=False) if store.hashes_on_device else None
+        if device is not None and device.xor:  # XOR parity: recomputed on the device, compared on the host
+            for g in device.stale_groups(checked):
+                device.refresh(plan.groups[g])
+                groups.setdefault(r, []).append(g)
+                point("recovery.parity_partial", group=g)
+            continue
+        for g in checked:
+            data, parity = [store.pages[p] for p in plan.groups[g]], list(store.parity1[g])
             if tier1.verify(data, parity):
                 tier1.encode(data, parity)
                 groups.setdefault(r, []).append(g)

@@ -360,17 +360,26 @@ def encode_all(store: RetainedStore, codes: ParityCodes) -> None:
     """Checksum every page, encode all tier-1 parity from scratch and checksum and mirror all
     metadata (a new store). Withdraws the completion mark: the creator writes it again once
     tier 2 is encoded too (``RetainedStore.mark_complete``)."""
-    from ..protection.checksum import checksum
     from ..retained.integrity import Metadata
-    from .transaction import to_i64
+    from .device_pages import DevicePages
 
     store.clear_complete()
-    for p in range(store.layout.n_pages):
-        store.crcs[p] = to_i64(checksum(store.pages[p]))
-    plan = store.spec.tier1
-    if codes.tier1 is not None:
-        for g, pages in enumerate(plan.groups):
-            codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
+    lay, plan = store.layout, store.spec.tier1
+    if store.hashes_on_device:  # parity and checksums computed where the pages are, chunk by chunk
+        device = DevicePages(store, codes.tier1)
+        for chunk in range(lay.n_chunks):
+            pages = lay.chunk_pages_updated(chunk)
+            store.crcs[pages] = torch.from_numpy(device.refresh(pages))
+        for seg in lay.segments:
+            if GRAD in seg.kinds:
+                r = lay.region(seg.index, GRAD)
+                store.crcs[r.first_page : r.first_page + r.n_pages] = torch.from_numpy(
+                    device.refresh_run(r.first_page, r.first_page + r.n_pages, plan.data_pages))
+    else:
+        store.crcs[:] = torch.tensor(store.page_checksums(range(lay.n_pages)), dtype=torch.int64)
+        if codes.tier1 is not None:
+            for g, pages in enumerate(plan.groups):
+                codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
     Metadata(store).seal_all()
 
 

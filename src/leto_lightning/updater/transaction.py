@@ -26,7 +26,7 @@ import torch
 
 from ..errors import RecoveryError
 from ..faults.points import point
-from ..protection.checksum import checksum
+from ..protection.checksum import CHECKSUM_ALGORITHM, checksum
 from ..protection.codec import ReedSolomonCode
 from ..retained.integrity import Metadata
 from ..retained.layout import GRAD, PARAM
@@ -40,14 +40,11 @@ from ..retained.store import (
     UNDO_CRCS,
     UNDO_SAVED,
     RetainedStore,
+    to_i64,
 )
 from . import fused_adam
 from .chunk_math import ChunkPieces, apply_update
-
-
-def to_i64(value: int) -> int:
-    """Store an unsigned 64-bit checksum in an int64 table."""
-    return value - (1 << 64) if value >= (1 << 63) else value
+from .device_pages import DevicePages
 
 
 def settle(tensor: torch.Tensor) -> None:
@@ -74,7 +71,7 @@ class ParityCodes:
 class ChunkTransactions:
     """Runs optimizer updates on a ``RetainedStore`` as chunk transactions."""
 
-    def __init__(self, store: RetainedStore, codes: ParityCodes | None = None) -> None:
+    def __init__(self, store: RetainedStore, codes: ParityCodes | None = None, pin_parity: bool = True) -> None:
         self.store = store
         self.layout = store.layout
         self.codes = codes or ParityCodes(store)
@@ -82,6 +79,9 @@ class ChunkTransactions:
         # Tier 1 has one parity page per group, the XOR of its data pages: the fused Adam kernel
         # folds deltas into such pages itself, and encodes the gradients' with their checksums.
         self._xor_tier1 = code is not None and code.m == 1 and bool((code.matrix[0] == 1).all())
+        # Pages on a device (or hashed as if they were): parity re-encoded and pages hashed there.
+        self.device_pages = DevicePages(store, code, pin_parity) if store.hashes_on_device else None
+        self._crc64 = store.checksum_algorithm == CHECKSUM_ALGORITHM  # what the fused kernel computes
         self._scratch = torch.empty(store.layout.page_bytes, dtype=torch.uint8, device=store.pages.device)
         # Host metadata through numpy: a torch __setitem__ costs microseconds, per chunk many times.
         self._table = store.chunk_table.numpy()
@@ -139,12 +139,21 @@ class ChunkTransactions:
     # -- gradients -----------------------------------------------------------------------
     def protect_grads(self) -> None:
         """Checksum the retained gradients and (optionally) re-encode their tier-1 parity; with
-        the fused kernel and XOR parity both in one read of each page (``Kernel.encode_xor``)."""
+        the fused kernel and XOR parity both in one read of each page (``Kernel.encode_xor``),
+        on a device both there (``DevicePages``)."""
         store, lay, crcs = self.store, self.layout, self._crcs
+        if self.device_pages is not None:
+            for seg in lay.segments:
+                if GRAD in seg.kinds:
+                    r = lay.region(seg.index, GRAD)
+                    crcs[r.first_page : r.first_page + r.n_pages] = self.device_pages.refresh_run(
+                        r.first_page, r.first_page + r.n_pages, store.spec.tier1.data_pages)
+            self.meta.seal_grads()
+            return
         done: set[int] = set()  # pages the kernel already checksummed
         if self.codes.tier1 is not None and store.config.protect_grads:
             plan = store.spec.tier1
-            kernel = fused_adam.kernel() if self._xor_tier1 and store.pages.device.type == "cpu" else None
+            kernel = fused_adam.kernel() if self._xor_tier1 and self._crc64 else None
             for g in plan.grad_groups():
                 pages = plan.groups[g]
                 if kernel is None:
@@ -155,9 +164,8 @@ class ChunkTransactions:
                 done.update(pages)
         for seg in lay.segments:
             r = lay.region(seg.index, GRAD)
-            for p in range(r.first_page, r.first_page + r.n_pages):
-                if p not in done:
-                    crcs[p] = to_i64(checksum(store.pages[p]))
+            todo = [p for p in range(r.first_page, r.first_page + r.n_pages) if p not in done]
+            crcs[todo] = store.page_checksums(todo)
         self.meta.seal_grads()
 
     # -- one chunk -----------------------------------------------------------------------
@@ -170,7 +178,8 @@ class ChunkTransactions:
                 "inconsistent with the update being applied"
             )
         plan = self._plan(chunk)
-        kernel = fused_adam.kernel() if plan.fused is not None and fused_adam.covers(hparams[plan.group]) else None
+        kernel = fused_adam.kernel() if plan.fused is not None and self._crc64 and fused_adam.covers(
+            hparams[plan.group]) else None
         point("chunk.begin", chunk=chunk, iteration=iteration)
         self._save_undo(plan, iteration, copy=kernel is None)  # the kernel saves it block by block
         point("chunk.undo_copied", chunk=chunk)
@@ -181,7 +190,11 @@ class ChunkTransactions:
             apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
             point("chunk.math_done", chunk=chunk)
             table[chunk, 1] = MATH_DONE
-            sums = self._tier1_delta(plan)
+            if self.device_pages is not None:  # parity re-encoded and pages hashed on the device
+                sums = self.device_pages.refresh(plan.pages)
+                point("chunk.tier1_partial", page=plan.pages[0])
+            else:
+                sums = self._tier1_delta(plan)
         else:
             sums = self._fused_update(plan, kernel, hparams[plan.group], skip)
         table[chunk, 1] = TIER1_DONE
@@ -189,7 +202,7 @@ class ChunkTransactions:
         self._tier2_delta(plan)
         table[chunk, 1] = TIER2_DONE
         point("chunk.tier2_done", chunk=chunk)
-        self._crcs[plan.pages] = sums if sums is not None else [to_i64(checksum(t)) for t in plan.page_tensors]
+        self._crcs[plan.pages] = sums if sums is not None else self.store.page_checksums(plan.pages)
         table[chunk, 1] = CHECKSUMMED
         point("chunk.checksummed", chunk=chunk)
         table[chunk, 0] = iteration + 1
@@ -264,7 +277,7 @@ class ChunkTransactions:
         for i, (old, new, column, parity) in enumerate(plan.tier1):
             code.apply_delta(column, old, new, parity, self._scratch)
             if checksums:
-                sums.append(to_i64(checksum(new)))
+                sums.append(to_i64(checksum(new, self.store.checksum_algorithm)))
             if i == 0:
                 point("chunk.tier1_partial", page=plan.pages[0])
         return sums
@@ -337,7 +350,7 @@ class ChunkPlan:
                   for j, (param, a, b) in enumerate(lay.chunk_pieces[chunk])]
         page_tensors, undo_pages = [store.pages[p] for p in pages], [undo[i] for i in range(len(pages))]
         fused = None
-        if lay.family == "adam" and kinds == (PARAM, "exp_avg", "exp_avg_sq"):
+        if lay.family == "adam" and kinds == (PARAM, "exp_avg", "exp_avg_sq") and store.pages.device.type == "cpu":
             fused = fused_adam.build_fused_chunk(page_tensors, undo_pages, grads,
                                                  [t[3] for t in tier1] if tier1 and xor_row else None,
                                                  [(a, b) for _, a, b in lay.chunk_pieces[chunk]])

@@ -20,7 +20,6 @@ import torch
 
 from ..errors import ConfigurationError, RecoveryError
 from ..faults.points import point
-from ..protection.checksum import checksum
 from ..retained.layout import GRAD, PARAM, GenericState
 from ..retained.spec import words_crc
 from ..retained.store import (
@@ -35,7 +34,7 @@ from ..retained.store import (
     UNDO_WHOLE,
     RetainedStore,
 )
-from .transaction import ChunkTransactions, ParityCodes, settle, to_i64
+from .transaction import ChunkTransactions, ParityCodes, settle
 
 
 class UnsupportedOptimizerError(ConfigurationError, TypeError):
@@ -107,11 +106,18 @@ class WholeStateTransactions(ChunkTransactions):
         point("whole.math_done", iteration=iteration)
         store.chunk_table[:, 1] = MATH_DONE
         plan = self._whole_plan()
-        sums = self._tier1_delta(plan)  # the pages' new checksums, taken while in cache
+        if self.device_pages is not None:  # parity re-encoded and pages hashed on the device, chunk by chunk
+            sums = None
+            for chunk in range(lay.n_chunks):
+                done = lay.chunk_pages_updated(chunk)
+                self._crcs[done] = self.device_pages.refresh(done)
+        else:
+            sums = self._tier1_delta(plan)  # the pages' new checksums, taken while in cache
         store.chunk_table[:, 1] = TIER1_DONE
         self._tier2_delta(plan)
         store.chunk_table[:, 1] = TIER2_DONE
-        self._crcs[pages] = sums if sums is not None else [to_i64(checksum(store.pages[p])) for p in pages]
+        if self.device_pages is None:
+            self._crcs[pages] = sums if sums is not None else store.page_checksums(pages)
         store.chunk_table[:, 1] = CHECKSUMMED
         point("whole.checksummed", iteration=iteration)
         store.chunk_table[:, 0] = iteration + 1

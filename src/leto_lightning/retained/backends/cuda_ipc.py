@@ -276,6 +276,20 @@ class CudaSegment:
             return False
 
 
+def register_host(tensor: torch.Tensor) -> bool:
+    """Page-lock host memory this process maps (a parity segment) for DMA copies from the device;
+    False when CUDA refuses (the copies then go through a pageable bounce buffer: slower, same
+    bytes). Undo it with ``unregister_host`` before the mapping goes away."""
+    if tensor.numel() == 0 or not torch.cuda.is_available():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    return int(err) == 0
+
+
+def unregister_host(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
 def _wait_ready(reader: Connection, proc: Any, timeout: float) -> tuple[str, str]:
     """The manager's start-up verdict: ("ready", pid), or why not (it never hangs the caller)."""
     if reader.poll(timeout):
