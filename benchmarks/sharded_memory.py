@@ -65,7 +65,7 @@ def zero1_layout(net: torch.nn.Module, config: RetainedConfig, world: int) -> St
 
 
 def per_rank(layout: StoreLayout, config: RetainedConfig, world: int) -> dict[str, int]:
-    spec = StoreSpec("bench", 0, 0, 0, world, layout, config)
+    spec = StoreSpec("bench", 0, 0, 0, world, layout, config.for_device("cpu"))
     sizes = dict(spec.sizes())
     sizes["parity2/rank"] = spec.parity2_bytes() // world if spec.tier2.enabled else 0
     sizes["total"] = sum(sizes.values())

@@ -56,7 +56,7 @@ def test_a_trainer_dying_during_set_up_leaves_a_store_recovery_refuses(point):
 
     def set_up():
         _model, opt = sc.build(0)
-        spec = StoreSpec(job_id, 0, 0, 0, 1, layout_for(opt, sc.config), sc.config)
+        spec = StoreSpec(job_id, 0, 0, 0, 1, layout_for(opt, sc.config), sc.config.for_device("cpu"))
         store = RetainedStore.create(spec)
         if point != "create":
             RetainedOptimizer(opt, store).bind(adopt=False)

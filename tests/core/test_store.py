@@ -129,7 +129,7 @@ def test_generic_optimizer_state_is_in_the_layout_not_in_the_param_groups():
     assert not any(k.startswith("_leto") for hp in lay.group_hparams for k in hp)
     sgd = layout_for(torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), cfg, whole_state=True)
     assert sgd.generic == GenericState((), (), has_step=False)
-    spec = StoreSpec(new_job_id(), 0, 0, 0, 1, lay, cfg)
+    spec = StoreSpec(new_job_id(), 0, 0, 0, 1, lay, cfg.for_device("cpu"))
     assert StoreSpec.from_json(spec.to_json()).layout.generic == lay.generic  # kept by the checksummed spec
     with pytest.raises(ValueError, match="GenericState is for family 'generic'"):
         build_layout([[("w", (4,), torch.float32)]], family="adam", page_bytes=64, generic=lay.generic)

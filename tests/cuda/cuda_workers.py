@@ -28,7 +28,7 @@ from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
 TIMEOUT = 240.0  # s per spawned worker: interpreter + torch import + CUDA context + work
 CONFIG = dict(page_bytes=1024, chunk_pages=1, data_pages=4, tier1_parity=2, record_bytes=1 << 14, backend="cuda")
-ADAMW = dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, foreach=False)
+ADAMW = dict(lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)  # torch's default implementation (foreach on CUDA)
 
 
 # -- running workers -----------------------------------------------------------------------
@@ -103,16 +103,17 @@ def _use(kind: str, address: str) -> str:
     os.environ[cuda_ipc.MANAGER_ENV] = address
     if kind == "cpu":
         cuda_ipc.require_cuda = lambda: None
+        RetainedConfig.for_device = lambda self, device_type: self  # backend="cuda" on host params
         torch.cuda.current_device = lambda: "cpu"  # a private manager becomes a stand-in too
         return "cpu"
     torch.cuda.set_device(0)
     return "cuda"
 
 
-def _model(device: str) -> tuple[Net, torch.optim.Optimizer]:
+def _model(device: str, **options: Any) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Net().to(device)
-    return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+    return model, torch.optim.AdamW(model.parameters(), **{**ADAMW, **options})
 
 
 def _iterate(model: Net, opt: Any, it: int, device: str) -> None:
@@ -205,11 +206,12 @@ def reference(conn: Connection, kind: str, address: str, job_id: str, steps: int
     conn.send(("result", shots[-2:]))
 
 
-def adamw_matches_torch(conn: Connection, kind: str, address: str, steps: int) -> None:
-    """RetainedOptimizer's chunked AdamW vs torch.optim.AdamW(foreach=False) on the same params."""
+def adamw_matches_torch(conn: Connection, kind: str, address: str, steps: int, foreach: bool | None) -> None:
+    """RetainedOptimizer's chunked AdamW vs torch.optim.AdamW(foreach=...) on the same params
+    (None: torch's default, the multi-tensor kernels on CUDA)."""
     device = _use(kind, address)
-    ref_model, ref_opt = _model(device)
-    model, opt = _model(device)
+    ref_model, ref_opt = _model(device, foreach=foreach)
+    model, opt = _model(device, foreach=foreach)
     ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG))
     for it in range(steps):
         _iterate(ref_model, ref_opt, it, device)

@@ -182,7 +182,7 @@ def test_owned_layout_one_page_map_per_node():
     assert layouts[0].regions == layouts[1].regions and layouts[0].n_pages == layouts[1].n_pages
     assert [s.name for s in layouts[0].params] == ["w", "b"] and [s.name for s in layouts[1].params] == ["v", "c"]
     assert [s.numel for s in layouts[1].segments] == [18, 0]  # rank 1's share; the region fits rank 0's 30
-    specs = [StoreSpec("j", r, 0, r, WORLD, layouts[r], CONFIG) for r in range(WORLD)]
+    specs = [StoreSpec("j", r, 0, r, WORLD, layouts[r], CONFIG.for_device("cpu")) for r in range(WORLD)]
     assert (specs[0].tier2.page_stripe == specs[1].tier2.page_stripe).all()
     assert specs[0].parity2_bytes() == specs[1].parity2_bytes()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigurationError
 from ..protection.checksum import CHECKSUM_ALGORITHM as HOST_CHECKSUM
@@ -11,6 +11,7 @@ from ..protection.device import HASH_ALGORITHM as DEVICE_CHECKSUM
 
 MiB = 1 << 20
 PAGE_CHECKSUMS = ("auto", DEVICE_CHECKSUM, *available_algorithms())
+BACKENDS = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,10 @@ class RetainedConfig:
                   survives a damaged gradient page.
     record_bytes: capacity of one progress-record slot (four are kept: the newest two entries, twice each).
     engine:       erasure engine: "auto" (ISA-L when available, else torch), "isal", "torch".
-    backend:      where the ``data`` and ``undo`` segments live: "cpu" (POSIX shared memory) or
-                  "cuda" (device memory owned by a state-manager process, opened through CUDA IPC;
-                  see docs/cuda-backend.md). Metadata and parity stay in host memory either way.
+    backend:      where the ``data`` and ``undo`` segments live: "auto" (where the model trains:
+                  ``for_device``), "cpu" (POSIX shared memory) or "cuda" (device memory owned by a
+                  state-manager process, opened through CUDA IPC; see docs/cuda-backend.md).
+                  Metadata and parity stay in host memory either way.
     page_checksum: how pages are checksummed: "auto" (CRC-64 in host memory, the ``mul64-i32``
                   hash computed on the device with backend="cuda"), or one of them by name.
                   Choosing "mul64-i32" for host pages runs the device update path (parity
@@ -45,7 +47,7 @@ class RetainedConfig:
     protect_grads: bool = True
     record_bytes: int = 1 * MiB
     engine: str = "auto"
-    backend: str = "cpu"
+    backend: str = "auto"
     page_checksum: str = "auto"
 
     def __post_init__(self) -> None:
@@ -73,14 +75,30 @@ class RetainedConfig:
             )
         if self.engine not in ("auto", "isal", "torch"):
             raise ConfigurationError(f"engine={self.engine!r}: choose 'auto', 'isal' or 'torch'")
-        if self.backend not in ("cpu", "cuda"):
-            raise ConfigurationError(f"backend={self.backend!r}: choose 'cpu' (POSIX shared memory) or 'cuda' "
-                                     "(device memory)")
+        if self.backend not in BACKENDS:
+            raise ConfigurationError(f"backend={self.backend!r}: choose 'auto' (where the model trains), 'cpu' "
+                                     "(POSIX shared memory) or 'cuda' (device memory)")
         if self.page_checksum not in PAGE_CHECKSUMS:
             raise ConfigurationError(f"page_checksum={self.page_checksum!r}: choose one of {PAGE_CHECKSUMS}")
         if self.backend == "cuda" and self.page_checksum not in ("auto", DEVICE_CHECKSUM):
             raise ConfigurationError(f"page_checksum={self.page_checksum!r} with backend='cuda' would copy every "
                                      f"page to the host to checksum it: use 'auto' ({DEVICE_CHECKSUM} on the device)")
+
+    def for_device(self, device_type: str) -> RetainedConfig:
+        """This config for a model whose parameters are on a ``device_type`` ("cpu", "cuda")
+        device: ``backend="auto"`` resolved. The retained views *are* the model's parameters, so
+        they live where it trains; a backend naming another device is refused."""
+        wanted = "cuda" if device_type == "cuda" else "cpu" if device_type == "cpu" else None
+        if wanted is None:
+            raise ConfigurationError(f"the model's parameters are on a {device_type!r} device: retained memory "
+                                     "lives in host memory ('cpu') or in CUDA device memory ('cuda') -- train on one")
+        if self.backend == "auto":
+            return replace(self, backend=wanted)
+        if self.backend != wanted:
+            raise ConfigurationError(
+                f"backend={self.backend!r} but the model's parameters are on {device_type}: the retained views are "
+                f"the parameters, so they live where the model trains -- leave backend='auto' (or set {wanted!r})")
+        return self
 
     @property
     def checksum_algorithm(self) -> str:

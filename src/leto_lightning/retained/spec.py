@@ -60,6 +60,11 @@ class StoreSpec:
     config: RetainedConfig
     device_manager: str = ""  # backend="cuda": address of the state manager holding data and undo
 
+    def __post_init__(self) -> None:
+        if self.config.backend not in ("cpu", "cuda"):
+            raise ConfigurationError(f"StoreSpec needs a resolved backend, got {self.config.backend!r}: "
+                                     "RetainedConfig.for_device(<where the params are>) resolves 'auto'")
+
     def name(self, what: str) -> str:
         return segment_name(self.job_id, f"r{self.rank}", what)
 

@@ -36,7 +36,7 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
-from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
+from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 from .auth import CHILD_ENV
 from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
@@ -224,6 +224,7 @@ class Session:
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
                 payload: object) -> RetainedOptimizer:
         e = self.env
+        config = config_for(config, optimizer)
         config.check_devices(e.local_world_size)
         layout = layout_for(optimizer, config)
         spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout, config)

@@ -18,7 +18,7 @@ from ..models.tiny import TinyLM
 from ..retained.config import RetainedConfig
 from ..retained.shm import new_job_id, unlink_segments
 from ..retained.store import RetainedStore, StoreSpec
-from ..updater.retained_optimizer import RetainedOptimizer, encode_tier2, layout_for
+from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -84,8 +84,9 @@ class CoreScenario:
         try:
             for rank in range(self.n_ranks):
                 model, opt = self.build(rank)
-                layout = layout_for(opt, self.config, whole_state=self.rollback)
-                spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout, self.config)
+                config = config_for(self.config, opt)
+                layout = layout_for(opt, config, whole_state=self.rollback)
+                spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout, config)
                 store = RetainedStore.create(spec)
                 stores.append(store)
                 ro = RetainedOptimizer(opt, store, rollback_window=self.rollback)

@@ -40,6 +40,7 @@ from ..retained.store import RetainedStore, StoreSpec
 from .fsdp2_state import Restore, RetainedShardState, detached_copy
 from .retained_optimizer import (
     RetainedOptimizer,
+    config_for,
     create_node_store,
     encode_node_tier2,
     hyperparameters,
@@ -370,6 +371,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
                  ) -> RetainedFSDP2:
     """A new store for this rank's local shards, bound, encoded (tier 2 across the node's ranks)
     and marked complete. ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
+    config = config_for(config, optimizer)
     config.check_devices(n_local)
     hparams = hyperparameters(optimizer)
     shards, sharded, aliased = _bindable(model, optimizer)

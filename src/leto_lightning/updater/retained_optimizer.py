@@ -36,7 +36,8 @@ from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
 from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
-__all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "WindowPhase", "layout_for", "optimizer_family"]
+__all__ = ["RetainedOptimizer", "UnsupportedOptimizerError", "WindowPhase", "config_for", "layout_for",
+           "optimizer_family"]
 
 _FAMILIES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 _UNSUPPORTED_OPTIONS = ("fused", "capturable", "differentiable")
@@ -60,6 +61,22 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
         hp = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in hp.items()}
         out.append(hp)
     return out
+
+
+def config_for(config: RetainedConfig, params) -> RetainedConfig:
+    """``config`` for these parameters (an optimizer, or an iterable of tensors): ``backend="auto"``
+    resolved to where they are (``RetainedConfig.for_device``); mixed devices refused."""
+    if config.backend == "cuda":  # no CUDA at all says so first, whatever the params
+        from ..retained.backends import cuda_ipc
+
+        cuda_ipc.require_cuda()
+    if isinstance(params, torch.optim.Optimizer):
+        params = [p for g in params.param_groups for p in g["params"]]
+    kinds = {p.device.type for p in params}
+    if len(kinds) > 1:
+        raise ConfigurationError(f"the parameters are on several kinds of device ({sorted(kinds)}): a rank's retained "
+                                 "memory is on one; move the model to one device before binding it")
+    return config.for_device(kinds.pop() if kinds else "cpu")
 
 
 def layout_for(optimizer: torch.optim.Optimizer, config: RetainedConfig, names: dict | None = None,
@@ -135,7 +152,7 @@ class RetainedOptimizer:
                job_id: str | None = None, rank: int = 0, node: int = 0, local_rank: int = 0, n_local: int = 1,
                **kwargs) -> RetainedOptimizer:
         """Allocate a store for ``optimizer`` (in this process: tests, single-process use)."""
-        config = config or RetainedConfig()
+        config = config_for(config or RetainedConfig(), optimizer)
         layout = layout_for(optimizer, config, whole_state=bool(kwargs.get("rollback_window")))
         spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout, config)
         store = RetainedStore.create(spec)

@@ -41,6 +41,7 @@ from ..retained.owned import OwnedParam, owned_layout
 from ..retained.store import RetainedStore, StoreSpec
 from .retained_optimizer import (
     RetainedOptimizer,
+    config_for,
     create_node_store,
     encode_node_tier2,
     hyperparameters,
@@ -183,6 +184,7 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
     and marked complete. Call it on every rank after the DDP wrap (every rank holds the same
     params then); ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
     check_zero1(zero)
+    config = config_for(config, zero)
     config.check_devices(n_local)
     split = partition(zero, names)
     layout = zero1_layout(zero, split, config)

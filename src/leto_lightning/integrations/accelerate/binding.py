@@ -28,13 +28,14 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import RetainedOptimizer, encode_node_tier2, layout_for
+from ...updater.retained_optimizer import RetainedOptimizer, config_for, encode_node_tier2, layout_for
 
 
 def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str, ranks: dict[str, int],
            names: dict, barrier: Callable[[], None] | None, payload_fn: Callable[[], Any],
            rollback_window: bool) -> RetainedOptimizer:
     """A new store for this rank, bound, encoded (tier 2 too) and marked complete."""
+    config = config_for(config, optimizer)
     config.check_devices(ranks["local_world_size"])
     layout = layout_for(optimizer, config, names, whole_state=rollback_window)
     spec = StoreSpec(job_id, ranks["rank"], ranks["node"], ranks["local_rank"], ranks["local_world_size"], layout,

@@ -37,7 +37,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.store import RetainedStore, StoreSpec
 from ...runtime.link import RuntimeLink
-from ...updater.retained_optimizer import RetainedOptimizer, encode_all, encode_node_tier2
+from ...updater.retained_optimizer import RetainedOptimizer, config_for, encode_all, encode_node_tier2
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
@@ -255,7 +255,7 @@ class LetoStrategy(DDPStrategy):
                 after_adopt(ro)  # ZeRO-1: replicas from the owners, before DDP's broadcast from rank 0
         else:
             iteration, self.resume_payload = self._load_checkpoint_file(trainer, optimizer)
-            config = self.retained_config
+            config = config_for(self.retained_config, optimizer)
             config.check_devices(self.num_processes)
             names = {p: n for n, p in module.named_parameters()}
             spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
