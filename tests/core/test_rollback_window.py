@@ -124,7 +124,8 @@ def test_two_steps_without_a_seal_are_refused() -> None:
 def test_rollback_window_needs_a_whole_state_layout() -> None:
     sc = CoreScenario(n_ranks=1)
     _, opt = sc.build(0)
-    store = RetainedStore.create(StoreSpec(new_job_id(), 0, 0, 0, 1, layout_for(opt, sc.config), sc.config.for_device("cpu")))
+    config = sc.config.for_device("cpu")
+    store = RetainedStore.create(StoreSpec(new_job_id(), 0, 0, 0, 1, layout_for(opt, config), config))
     try:
         with pytest.raises(ValueError, match="whole_state=True"):
             RetainedOptimizer(opt, store, rollback_window=True)  # a chunked layout
