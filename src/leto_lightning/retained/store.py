@@ -375,7 +375,8 @@ def _new_segment(spec: StoreSpec, what: str, nbytes: int):
     if spec.config.backend == "cuda" and what in DEVICE_SEGMENTS:
         from .backends.cuda_ipc import CudaSegment
 
-        return CudaSegment.create(spec.name(what), nbytes, spec.device_manager)
+        # on this process's device: where the model it binds trains (RetainedConfig.for_device)
+        return CudaSegment.create(spec.name(what), nbytes, spec.device_manager, torch.cuda.current_device())
     return SharedSegment.create(spec.name(what), nbytes)
 
 

@@ -43,6 +43,7 @@ from .reclaim import ReclaimConfig, ReclaimPolicy, ShadowReclaimer, check_suppor
 from .recovery_flow import Recovery
 from .rundir import claim as claim_run_dir
 from .spec import LaunchSpec
+from .state_managers import NodeStateManagers
 from .storage import StorageError
 from .trainers import Trainers
 from .worker_env import omp_defaults, omp_notice
@@ -84,6 +85,7 @@ class Agent:
         self._parts: _Parts | None = None
         self.port = 0
         self.thread_defaults = omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
+        self.state_managers = NodeStateManagers({})  # CUDA memory owners, launched with the job
 
     @property
     def phase(self) -> JobPhase:
@@ -107,6 +109,9 @@ class Agent:
         try:
             parts = self._parts = self._assemble(self._start_store())
             self.job.agreed(parts.lockstep.shared_job_id(self.job.job_id))
+            self.state_managers = NodeStateManagers.launch(self.spec.run_dir, self.job.job_id,
+                                                         range(self.spec.nproc_per_node))
+            parts.trainers.cuda_manager = self.state_managers.address
             self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
                              job_id=self.job.job_id, node_rank=self.spec.node_rank, script=self.spec.script,
                              pid=os.getpid())
@@ -200,6 +205,7 @@ class Agent:
             parts.trainers.stop_all()
         for job in self.job.all_job_ids:
             unlink_segments(job)
+        self.state_managers.shutdown()  # frees the retained device memory
         if parts is not None and parts.reclaimer is not None:
             parts.reclaimer.close()
         self.events.close()

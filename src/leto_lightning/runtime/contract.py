@@ -57,8 +57,9 @@ FAULTS = "LETO_FAULTS"
 EVENTS = "LETO_EVENTS"
 STORE_PREFIX = "LETO_STORE_PREFIX"
 AUTH_KEY = "LETO_AUTH_KEY"
+CUDA_MANAGER = "LETO_CUDA_MANAGER"  # address of the CUDA state manager new CUDA stores allocate from
 CONTRACT_VARIABLES = (ROLE, JOB_ID, RUN_DIR, NODE_RANK, GENERATION, SHADOW_SET, SHADOW_LEVEL, RESUME, FAULTS,
-                      EVENTS, STORE_PREFIX, AUTH_KEY)
+                      EVENTS, STORE_PREFIX, AUTH_KEY, CUDA_MANAGER)
 
 # -- knobs users and tests set (not written by a launcher) ----------------------------------
 DEBUG = "LETO_DEBUG"  # `leto` CLI: show tracebacks of expected errors too
@@ -70,7 +71,6 @@ NO_SUPERVISE = "LETO_NO_SUPERVISE"  # "1": a rank under torchrun/Lightning does 
 JOB_PREFIX = "LETO_JOB_PREFIX"  # prepended to new job ids (a test session's leak guard)
 RECIPES_DIR = "LETO_RECIPES_DIR"  # where the recipe YAMLs are (default: recipes/ beside src/)
 ISAL_LIBRARY = "LETO_ISAL_LIBRARY"  # path of an ISA-L shared library to use instead of pyeclib's
-CUDA_MANAGER = "LETO_CUDA_MANAGER"  # address of the CUDA state manager new CUDA stores allocate from
 WANDB = "LETO_WANDB"  # examples: "0" turns the wandb logger off
 FIELD_PREFIX = "LETO_"
 
@@ -117,6 +117,7 @@ class WorkerContract:
     events: str | None = None
     store_prefix: str = ""
     auth_key: str = field(default="", repr=False)  # a secret: never in a repr or a log line
+    cuda_manager: str = ""  # the agent's CUDA state manager for this rank (runtime/state_managers.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", _enum(Role, ROLE, self.role))
@@ -152,6 +153,8 @@ class WorkerContract:
             env[STORE_PREFIX] = self.store_prefix
         if self.auth_key:
             env[AUTH_KEY] = self.auth_key
+        if self.cuda_manager:
+            env[CUDA_MANAGER] = self.cuda_manager
         return env
 
     @classmethod
@@ -169,7 +172,7 @@ class WorkerContract:
             shadow_set=environ.get(SHADOW_SET, "0"), shadow_level=_int(environ, SHADOW_LEVEL, 3),
             resume=_enum(ResumeMode, RESUME, environ.get(RESUME, "")), faults=_faults(environ),
             events=environ.get(EVENTS), store_prefix=environ.get(STORE_PREFIX, ""),
-            auth_key=environ.get(AUTH_KEY, ""))
+            auth_key=environ.get(AUTH_KEY, ""), cuda_manager=environ.get(CUDA_MANAGER, ""))
 
 
 def under_launcher(environ: Mapping[str, str] = os.environ) -> bool:

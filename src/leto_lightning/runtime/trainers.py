@@ -38,6 +38,7 @@ class Trainers:
         self.shadow_set = ""  # "<generation>-<k>": derived from job-wide events, so equal on all nodes
         self.replacements_seen = 0
         self.heartbeats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it changed)
+        self.cuda_manager: Callable[[int], str] = lambda local_rank: ""  # the agent's state managers
 
     @property
     def shadow_level(self) -> int:
@@ -58,7 +59,7 @@ class Trainers:
             role=role, job_id=self.job.job_id, run_dir=os.path.abspath(s.run_dir), node_rank=node,
             generation=self.job.generation, shadow_set=self.shadow_set, shadow_level=self.shadow_level,
             resume=resume, faults=tuple(self.pending_faults()), events=str(self.events.path.absolute()),
-            store_prefix=s.store_prefix,
+            store_prefix=s.store_prefix, cuda_manager=self.cuda_manager(local_rank),
             auth_key=self._secret.hex())  # the trainers' copy of the job's secret: their environment only
         return worker_environment(base, worker)
 

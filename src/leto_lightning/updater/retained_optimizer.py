@@ -385,8 +385,8 @@ def encode_all(store: RetainedStore, codes: ParityCodes) -> None:
     if store.hashes_on_device:  # parity and checksums computed where the pages are, chunk by chunk
         device = DevicePages(store, codes.tier1)
         for chunk in range(lay.n_chunks):
-            pages = lay.chunk_pages_updated(chunk)
-            store.crcs[pages] = torch.from_numpy(device.refresh(pages))
+            updated = lay.chunk_pages_updated(chunk)
+            store.crcs[updated] = torch.from_numpy(device.refresh(updated))
         for seg in lay.segments:
             if GRAD in seg.kinds:
                 r = lay.region(seg.index, GRAD)
@@ -395,8 +395,8 @@ def encode_all(store: RetainedStore, codes: ParityCodes) -> None:
     else:
         store.crcs[:] = torch.tensor(store.page_checksums(range(lay.n_pages)), dtype=torch.int64)
         if codes.tier1 is not None:
-            for g, pages in enumerate(plan.groups):
-                codes.tier1.encode([store.pages[p] for p in pages], list(store.parity1[g]))
+            for g, members in enumerate(plan.groups):
+                codes.tier1.encode([store.pages[p] for p in members], list(store.parity1[g]))
     Metadata(store).seal_all()
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import time
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import Client, Connection
@@ -69,15 +70,25 @@ _ERRORS = {"FileExistsError": FileExistsError, "FileNotFoundError": FileNotFound
            "CudaUnavailableError": CudaUnavailableError, "ValueError": ConfigurationError}
 
 
-def _request(address: str, *request: Any) -> dict:
-    """One request/reply exchange with the manager at ``address``."""
-    try:
-        conn = Client(address, family="AF_UNIX")
-    except (FileNotFoundError, ConnectionRefusedError) as exc:
-        raise DeviceManagerError(
-            f"no state manager at {address} ({type(exc).__name__}): it was never started or it has exited, "
-            "and the device memory it owned went with it"
-        ) from exc
+CONNECT_WAIT = 120.0  # s a trainer waits for its agent's manager, launched beside it, to listen
+
+
+def _request(address: str, *request: Any, connect_wait: float = 0.0) -> dict:
+    """One request/reply exchange with the manager at ``address``; ``connect_wait``: how long a
+    manager that is still starting (no socket yet) is waited for."""
+    deadline = time.monotonic() + connect_wait
+    while True:
+        try:
+            conn = Client(address, family="AF_UNIX")
+            break
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            raise DeviceManagerError(
+                f"no state manager at {address} ({type(exc).__name__}): it was never started or it has exited, "
+                "and the device memory it owned went with it"
+            ) from exc
     with conn:
         conn.send(request)
         if not conn.poll(REQUEST_TIMEOUT):
@@ -99,18 +110,23 @@ class CudaStateManager:
     def __init__(self, address: str, process: Any = None) -> None:
         self.address = address
         self.process = process  # set in the process that started it (which then reaps it)
+        self._ready_pipe: Connection | None = None
 
     @classmethod
     def start(cls, address: str | None = None, device: int | str = 0, *, exit_when_empty: bool = False,
-              daemon: bool = False, timeout: float = 180.0) -> CudaStateManager:
+              daemon: bool = False, timeout: float = 180.0, wait: bool = True) -> CudaStateManager:
         """Launch a manager in a fresh interpreter (``spawn``: CUDA and ``fork`` do not mix) and
-        wait until it listens. ``device``: a CUDA index, or ``"cpu"`` for the shared-memory stand-in.
+        wait until it listens. ``device``: a CUDA index, ``"cpu"`` for the shared-memory stand-in,
+        or ``"lazy"``: CUDA is initialised at the first allocation, on the device the request
+        names (an agent's manager, started before it knows whether the job uses a GPU).
 
         ``daemon=True`` ties the manager to this process's *normal* exit (multiprocessing
         terminates daemonic children then); a SIGKILL of this process leaves it running, which is
         the point. ``exit_when_empty``: exit once the last buffer is freed (private managers).
+        ``wait=False``: return at once; clients wait for the socket (``_request``'s
+        ``connect_wait``) and ``ready()`` collects the start-up verdict.
         """
-        if device != "cpu":
+        if device not in ("cpu", "lazy"):
             require_cuda()
             device = int(device)
         address = address or default_address(f"{os.getpid()}-{secrets.token_hex(4)}")
@@ -122,19 +138,31 @@ class CudaStateManager:
                            name="leto-state-manager", daemon=daemon)
         proc.start()
         writer.close()
+        manager = cls(address, proc)
+        manager._ready_pipe = reader
+        if wait:
+            manager.ready(timeout)
+        return manager
+
+    def ready(self, timeout: float = 180.0) -> None:
+        """Wait for the start-up verdict of a manager this process launched; raise why it failed."""
+        reader = self._ready_pipe
+        if reader is None:
+            return
         try:
-            status, detail = _wait_ready(reader, proc, timeout)
+            status, detail = _wait_ready(reader, self.process, timeout)
         finally:
             reader.close()
+            self._ready_pipe = None
         if status != "ready":
-            proc.join(10)
+            self.process.join(10)
             error = CudaUnavailableError if status == "no-cuda" else DeviceManagerError
             raise error(f"state manager did not start: {detail}")
-        return cls(address, proc)
 
-    def alloc(self, name: str, nbytes: int) -> dict:
-        """Allocate a zero-filled buffer; returns its share (what a trainer needs to open it)."""
-        return _request(self.address, "alloc", name, int(nbytes))["share"]
+    def alloc(self, name: str, nbytes: int, device: int | None = None) -> dict:
+        """Allocate a zero-filled buffer (on ``device``, else the manager's); returns its share
+        (what a trainer needs to open it)."""
+        return _request(self.address, "alloc", name, int(nbytes), device)["share"]
 
     def lookup(self, name: str) -> dict:
         return _request(self.address, "lookup", name)["share"]
@@ -228,12 +256,13 @@ class CudaSegment:
     _host: SharedSegment | None = field(default=None, repr=False)  # the CPU stand-in's mapping
 
     @classmethod
-    def create(cls, name: str, nbytes: int, manager_address: str) -> CudaSegment:
-        """Have the manager allocate a zero-filled buffer, and map it here."""
+    def create(cls, name: str, nbytes: int, manager_address: str, device: int | None = None) -> CudaSegment:
+        """Have the manager allocate a zero-filled buffer (on CUDA ``device``, else the manager's
+        own), and map it here."""
         if nbytes <= 0:
             raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
         manager = CudaStateManager(manager_address)
-        share = manager.alloc(name, nbytes)
+        share = _request(manager_address, "alloc", name, int(nbytes), device, connect_wait=CONNECT_WAIT)["share"]
         try:
             return cls._open(name, manager_address, share, owner=True)
         except BaseException:

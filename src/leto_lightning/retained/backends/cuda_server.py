@@ -32,9 +32,10 @@ class _Server:
     """The manager's buffers and request handling (runs in the manager process only)."""
 
     def __init__(self, device: int | str, exit_when_empty: bool) -> None:
-        self.device = device
+        self.device = device  # a CUDA index, "cpu" (the stand-in) or "lazy" (CUDA at the first alloc)
         self.exit_when_empty = exit_when_empty
         self.buffers: dict[str, _Buffer] = {}
+        self.devices: set[int] = set()  # CUDA devices this manager allocated on
         self.running = True
 
     @property
@@ -42,7 +43,9 @@ class _Server:
         return self.device != "cpu"
 
     def start(self) -> None:
-        """Create the CUDA context now, so a bad device fails start-up, not the first alloc."""
+        """Create the CUDA context now, so a bad device fails start-up, not the first alloc. A
+        manager started by an agent for a job that may never use CUDA (``"lazy"``) waits: an idle
+        one then costs no device memory."""
         if not self.cuda:
             return
         require_cuda()
@@ -52,8 +55,9 @@ class _Server:
             # containers commonly forbid (pytorch/pytorch#165685); plain cudaMalloc segments use
             # cudaIpcMemHandle, which any process of the same user can open.
             torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        torch.cuda.set_device(self.device)
-        torch.cuda.init()
+        if self.device != "lazy":
+            torch.cuda.set_device(int(self.device))
+            torch.cuda.init()
 
     def handle(self, request: tuple) -> dict:
         try:
@@ -64,17 +68,21 @@ class _Server:
         except Exception as exc:  # reported to the client, the manager keeps serving
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
 
-    def op_alloc(self, name: str, nbytes: int) -> dict:
+    def op_alloc(self, name: str, nbytes: int, device: int | None = None) -> dict:
         if name in self.buffers:
             raise FileExistsError(f"retained buffer {name!r} already exists in the state manager")
         if nbytes <= 0:
             raise ValueError(f"buffer {name!r}: size must be positive, got {nbytes}")
-        buf = self._alloc_cuda(name, nbytes) if self.cuda else self._alloc_host(name, nbytes)
+        buf = self._alloc_cuda(name, nbytes, device) if self.cuda else self._alloc_host(name, nbytes)
         self.buffers[name] = buf
         return {"share": buf.share}
 
-    def _alloc_cuda(self, name: str, nbytes: int) -> _Buffer:
-        index = int(self.device)  # a CUDA index: CudaStateManager.start made it an int
+    def _alloc_cuda(self, name: str, nbytes: int, device: int | None) -> _Buffer:
+        """On ``device`` (the trainer's), else the manager's own; a lazy manager needs one."""
+        index = int(self.device) if device is None and self.device != "lazy" else device
+        if index is None:
+            raise ValueError(f"buffer {name!r}: this state manager serves any device; the request must name one")
+        self.devices.add(int(index))
         tensor = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
         ipc = tensor.untyped_storage()._share_cuda_()  # event recorded after the zero fill
         torch.UntypedStorage._release_ipc_counter_cuda(ipc[4], ipc[5])  # see the module docstring
@@ -102,7 +110,8 @@ class _Server:
     def op_stats(self) -> dict:
         held = {n: b.nbytes for n, b in self.buffers.items()}
         if self.cuda:
-            allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            allocated = sum(torch.cuda.memory_allocated(d) for d in sorted(self.devices))
+            reserved = sum(torch.cuda.memory_reserved(d) for d in sorted(self.devices))
         else:
             allocated = reserved = sum(held.values())
         return {"pid": os.getpid(), "device": self.device, "buffers": held, "allocated": allocated,
@@ -119,10 +128,12 @@ class _Server:
 
     def _release(self, buf: _Buffer) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            index = int(buf.share["ipc"][0])
+            torch.cuda.synchronize(index)
             buf.keep = None  # the last reference: the caching allocator gets the block back
-            torch.cuda.ipc_collect()
-            torch.cuda.empty_cache()  # and the driver gets the memory back
+            with torch.cuda.device(index):
+                torch.cuda.ipc_collect()
+                torch.cuda.empty_cache()  # and the driver gets the memory back
         else:
             buf.keep.close()
             buf.keep.unlink()
