@@ -6,7 +6,8 @@ machine-level kill of the whole process tree) leaves ``/dev/shm/leto-<job_id>-*`
 command finds those segments and removes them, refusing while anything still uses them:
 
 - ``leto cleanup RUN_DIR ...``: the jobs named in each run directory's ``events.jsonl``
-  (``job_started`` / ``fallback_checkpoint`` carry the job id), once their agent is gone;
+  (``job_started`` / ``fallback_checkpoint`` carry the job id), once their agent is gone, and
+  the CUDA state managers listening in it (their device memory);
 - ``leto cleanup --job JOB_ID``: one job;
 - ``leto cleanup --list``: every job with segments here: size, and which processes map it.
 
@@ -167,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
             say(f"{run_dir}: its agent (pid {live}) is still running; it frees its memory when the job ends")
             return 1
         job_ids += [j for j in ids if j not in job_ids]
+        if not args.dry_run:  # the CUDA state managers it left: their device memory goes with them
+            from .state_managers import stop_orphans
+
+            for socket in stop_orphans(run_dir):
+                say(f"{run_dir}: stopped the CUDA state manager at {socket} (its device memory freed)")
     return free(job_ids, force=args.force, dry_run=args.dry_run)
 
 

@@ -137,9 +137,24 @@ class Session:
         if self.env.level < 3:
             self.wait_for_promotion()
         prefix = PG_PREFIX.format(name=self.pg_name)
+        # NCCL: the communicator is built now (eager init, bound to this rank's GPU), not at the
+        # first collective -- a shadow set's is then ready before promotion, which costs no NCCL
+        # init; a collective that fails later aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING,
+        # set as torchrun sets it), which the agent detects. gloo stays the CPU path.
+        device = self.device() if "nccl" in backend else None
         # torch's rendezvous needs a real Store: the unsigned one (as under torchrun; docs/security.md)
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store.raw), rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout))
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout), device_id=device)
+
+    def device(self) -> torch.device:
+        """This rank's GPU as torchrun's convention assigns it (``cuda:LOCAL_RANK``, modulo the
+        visible devices), made current. ``ConfigurationError`` when this process sees none."""
+        from ..retained.backends.cuda_device import require_cuda
+
+        require_cuda()
+        index = self.env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
 
     @property
     def creates_store(self) -> bool:
@@ -257,8 +272,11 @@ class Session:
     def barrier(self) -> None:
         """The prepare agreement: one flag all-reduce (raises if a peer is gone)."""
         if dist.is_initialized():
-            flag = torch.ones(1)
+            nccl = dist.get_backend() == "nccl"
+            flag = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
             dist.all_reduce(flag)
+            if nccl:  # NCCL only enqueues it: the agreement holds once this process has seen it done
+                flag.item()
 
     def mark_finished(self) -> None:
         """Training is complete: a crash while the interpreter shuts down (seen: gloo's threads
@@ -441,6 +459,7 @@ def init() -> Session:
     session = Session(env, connect(env))
     if session.is_shadow and env.level < 3:
         if env.level == 2 and torch.cuda.is_available():
-            torch.cuda.init()  # L2: the device runtime is up, nothing else
+            session.device()
+            torch.cuda.init()  # L2: the device runtime (a CUDA context on this rank's GPU), nothing else
         session.wait_for_promotion()
     return session

@@ -61,10 +61,10 @@ def check_distributed(acc: Any) -> None:
     if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP):
         raise ConfigurationError(f"distributed_type={kind}: {WHO} supports NO, MULTI_CPU and MULTI_GPU (DDP) and "
                                  f"FSDP2 -- {_FIX}")
-    if acc.device.type != "cpu":
+    if acc.device.type not in ("cpu", "cuda"):
         raise ConfigurationError(
-            f"device {acc.device}: this version keeps retained memory in POSIX shared memory (CPU); run with "
-            f"{WHO}(cpu=True) until the CUDA backend is wired in")
+            f"device {acc.device}: {WHO} keeps retained memory in host memory or CUDA device memory -- train on "
+            f"CUDA GPUs or with {WHO}(cpu=True)")
 
 
 def the_optimizer(optimizers: list) -> Any:

@@ -80,9 +80,12 @@ def check_trainer(strategy: Strategy, trainer: pl.Trainer) -> None:
 
 
 def check_device(strategy: Strategy) -> None:
-    if strategy.root_device.type != "cpu":
-        raise ValueError(f"device {strategy.root_device}: this version keeps retained memory in POSIX shared memory "
-                         "(CPU); run with accelerator='cpu' until the CUDA backend is wired in")
+    """Retained memory lives where the model trains: host memory (``accelerator="cpu"``) or CUDA
+    device memory owned by the agent's state manager (``"gpu"``/``"cuda"``); nothing else."""
+    device = strategy.root_device
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigurationError(f"device {device}: {type(strategy).__name__} keeps retained memory in host memory "
+                                 "or CUDA device memory -- train with accelerator='cpu', 'gpu' or 'cuda'")
 
 
 def check_precision(precision: Precision) -> None:
