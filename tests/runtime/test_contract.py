@@ -17,7 +17,8 @@ def _full() -> WorkerContract:
     return WorkerContract(
         role=Role.SHADOW, job_id="t1x0a1b2c3", run_dir="/tmp/run", node_rank=1, generation=4, shadow_set="4-1",
         shadow_level=2, resume=ResumeMode.RETAINED, faults=({"id": "f0", "point": "update.after_prepare"},),
-        events="/tmp/run/events.jsonl", store_prefix="leto/abc/0", auth_key="ab" * 32)
+        events="/tmp/run/events.jsonl", store_prefix="leto/abc/0", auth_key="ab" * 32,
+        cuda_manager="/tmp/run/leto-j-l0-statemgr.sock")
 
 
 def test_round_trip_every_field() -> None:
@@ -33,6 +34,7 @@ def test_round_trip_minimal_leaves_optional_variables_out() -> None:
     assert c.role is Role.ACTIVE and c.resume is ResumeMode.FRESH
     env = c.to_env()
     assert contract.EVENTS not in env and contract.STORE_PREFIX not in env and contract.AUTH_KEY not in env
+    assert contract.CUDA_MANAGER not in env
     assert env[contract.RESUME] == "" and json.loads(env[contract.FAULTS]) == []
     assert WorkerContract.from_env(env) == c
 

@@ -37,8 +37,8 @@ from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
-from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
-from .messages import ResumeInfo, Verdict
+from .keys import FAILURE, FIRST_DONE, HEARTBEAT, RESUMED, SHADOWS_READY, STORE_READY
+from .messages import Heartbeat, ResumeInfo, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
@@ -60,6 +60,8 @@ class Recovery:
         self._books: RecoveryBooks | None = None  # open from resuming until every rank's first iteration
         self._failure_times: deque[float] = deque()
         self._startup_failures: set[tuple[int, str]] = set()  # (exit code, message) before a first heartbeat
+        # a checkpoint restart, until every rank's first iteration: (failure time, failed iteration)
+        self._restart: tuple[float, int | None] | None = None
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -103,6 +105,7 @@ class Recovery:
             raise JobStopped(f"{failure.describe()}: {verdict.reason}")
         if verdict.hof:
             return self._recover_in_place(failure)
+        self._restart = (failure.detected_at, failure.iteration)
         return self._restart_from_checkpoint(f"non-HOF failure: {verdict.reason}")
 
     def _job_verdict(self, failure: Failure) -> Verdict:
@@ -261,6 +264,8 @@ class Recovery:
     # -- the books of a recovery ---------------------------------------------------------------
     def track_first_iteration(self) -> None:
         """Close a recovery's books when every rank finished an iteration after resuming."""
+        if self._restart is not None:
+            self._track_restart()
         rec = self._books
         if rec is None:
             return
@@ -284,6 +289,24 @@ class Recovery:
             self.trainers.start_shadows()
         notice(f"recovered in place (generation {gen}): resumed at iteration {rec.resume_iteration}, "
                f"{total:.2f} s to the first iteration after the failure {breakdown}", self.out)
+
+    def _track_restart(self) -> None:
+        """A checkpoint restart's cost, once every rank finished its first iteration after it:
+        ``checkpoint_restart_finished`` with the seconds from the failure and the iterations the
+        job must now compute again (those after the checkpoint up to the failed one)."""
+        assert self._restart is not None
+        gen = self.job.generation
+        done = [FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
+        if not done or not self.store.check(done):
+            return
+        t_fail, failed = self._restart
+        self._restart = None
+        beats = [Heartbeat.from_json(self.store.get(HEARTBEAT.format(rank=r))) for r in self.trainers.actives]
+        first = min((b.it for b in beats if b is not None), default=None)
+        now = max(float(self.store.get(k)) for k in done)
+        self.events.emit("checkpoint_restart_finished", gen, total_s=round(now - t_fail, 4), failed_iteration=failed,
+                         first_iteration=first,
+                         recompute_iterations=(failed - first) if failed is not None and first is not None else None)
 
     def _close_interrupted(self) -> None:
         """A failure before every rank's first iteration after resuming: the recovery's books

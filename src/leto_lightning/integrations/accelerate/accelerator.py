@@ -123,7 +123,9 @@ class LetoAccelerator(Accelerator):
         group in its namespace, with ``InitProcessGroupKwargs``' backend and timeout."""
         assert self.runtime is not None
         self.runtime.connect()
-        if world <= 1 or torch.distributed.is_initialized():
+        # One rank too: with LOCAL_RANK set (every launcher sets it) Accelerate would start its own
+        # group on MASTER_PORT, which the agent's store holds.
+        if torch.distributed.is_initialized() or (world <= 1 and "LOCAL_RANK" not in os.environ):
             return
         init = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
         backend = (init.backend if init is not None and init.backend else None) or (
