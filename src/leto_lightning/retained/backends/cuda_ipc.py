@@ -311,7 +311,10 @@ def register_host(tensor: torch.Tensor) -> bool:
     bytes). Undo it with ``unregister_host`` before the mapping goes away."""
     if tensor.numel() == 0 or not torch.cuda.is_available():
         return False
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    except (AttributeError, RuntimeError, TypeError):  # a torch without the binding: pageable copies
+        return False
     return int(err) == 0
 
 
