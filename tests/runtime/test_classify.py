@@ -47,3 +47,22 @@ def test_no_nvml_means_cpu_job_not_an_error():
 def test_bad_runtime_settings(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         RuntimeConfig(**kwargs)
+
+
+def test_xids_decide_whether_the_device_is_operable():
+    """Xid 79 (fell off the bus), 48 (double-bit ECC), 95 (uncontained ECC) need a reset: not a
+    HOF whatever the exit; 13 (graphics engine exception) and 94 (contained ECC) leave the device
+    usable (docs/design.md section 1)."""
+    from leto_lightning.runtime.xid import XidMonitor, xid_verdict
+
+    assert xid_verdict([]) == (True, "no Xid")
+    assert xid_verdict([13, 94])[0] is True
+    for fatal in (48, 79, 95):
+        operable, why = xid_verdict([13, fatal])
+        assert not operable and str(fatal) in why
+    killed = Failure(rank=0, pid=1, signal=9)
+    health = DeviceHealth(*xid_verdict([79]), {"xids": [79]})
+    assert classify(killed, RuntimeConfig(), health).hof is False
+    monitor = XidMonitor.start()  # this machine: no NVIDIA driver (or no NVML): nothing to drain
+    assert monitor.drain() == {}
+    monitor.close()

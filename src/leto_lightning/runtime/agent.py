@@ -47,6 +47,7 @@ from .state_managers import NodeStateManagers
 from .storage import StorageError
 from .trainers import Trainers
 from .worker_env import omp_defaults, omp_notice
+from .xid import XidMonitor
 
 __all__ = ["Agent", "JobInterrupted", "JobStopped", "LaunchSpec"]
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Agent:
         self.port = 0
         self.thread_defaults = omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
         self.state_managers = NodeStateManagers({})  # CUDA memory owners, launched with the job
+        self.xids = XidMonitor()  # GPU Xid events, registered with the job
 
     @property
     def phase(self) -> JobPhase:
@@ -112,6 +114,9 @@ class Agent:
             self.state_managers = NodeStateManagers.launch(self.spec.run_dir, self.job.job_id,
                                                          range(self.spec.nproc_per_node))
             parts.trainers.cuda_manager = self.state_managers.address
+            parts.recovery.xids = self.xids = XidMonitor.start()
+            if self.xids.note and self.state_managers.managers:  # a CUDA build: the job may train on GPUs
+                notice(self.xids.note, self.out)
             self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
                              job_id=self.job.job_id, node_rank=self.spec.node_rank, script=self.spec.script,
                              pid=os.getpid())
@@ -206,6 +211,7 @@ class Agent:
         for job in self.job.all_job_ids:
             unlink_segments(job)
         self.state_managers.shutdown()  # frees the retained device memory
+        self.xids.close()
         if parts is not None and parts.reclaimer is not None:
             parts.reclaimer.close()
         self.events.close()

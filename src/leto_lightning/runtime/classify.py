@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .config import ClassificationRule, RuntimeConfig
 from .messages import Verdict
+from .xid import xid_verdict
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,24 @@ class Classification:
     stop: bool = False  # no restart can help: stop the job
 
 
-def device_health(local_rank: int) -> DeviceHealth:
-    """Ask NVML about the device of ``local_rank``; no NVML means a CPU job (operable)."""
+def device_health(local_rank: int, xids: list[int] | None = None) -> DeviceHealth:
+    """Ask NVML about the device of ``local_rank``, with the Xids it reported since the last
+    failure (``xid.XidMonitor``); no NVML means a CPU job (operable)."""
     try:
         import pynvml
     except ImportError:
-        return DeviceHealth(True, "no NVML (nvidia-ml-py not installed): CPU job")
+        return DeviceHealth(True, "no NVML (nvidia-ml-py not installed): CPU job, or a GPU job classified by its "
+                                  "exit and rules only")
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
         return DeviceHealth(True, "no NVIDIA device (NVML library not found): CPU job")
     try:
-        return _nvml_health(pynvml, local_rank)
+        health = _nvml_health(pynvml, local_rank)
+        if xids and health.operable:
+            operable, why = xid_verdict(xids)
+            health = DeviceHealth(operable, f"NVML: {why}", {**health.details, "xids": sorted(set(xids))})
+        return health
     finally:
         try:
             pynvml.nvmlShutdown()

@@ -44,6 +44,7 @@ from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
 from .spec import LaunchSpec
 from .trainers import Trainers, stopped
+from .xid import XidMonitor
 
 log = logging.getLogger(__name__)
 Phase = RecoveryPhase
@@ -62,6 +63,7 @@ class Recovery:
         self._startup_failures: set[tuple[int, str]] = set()  # (exit code, message) before a first heartbeat
         # a checkpoint restart, until every rank's first iteration: (failure time, failed iteration)
         self._restart: tuple[float, int | None] | None = None
+        self.xids = XidMonitor()  # the agent's, registered at job start (none: classified without Xids)
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -112,7 +114,8 @@ class Recovery:
         """Classify locally, then publish: the first node to publish decides for the whole job."""
         if failure.remote_verdict is not None:
             return failure.remote_verdict
-        v = classify(failure, self.config, device_health(self.spec.device_index(failure.rank)))
+        index = self.spec.device_index(failure.rank)
+        v = classify(failure, self.config, device_health(index, self.xids.drain().get(index)))
         mine = Verdict(rank=failure.rank, hof=v.hof, reason=v.reason, device=v.device.source,
                        node=self.spec.node_rank, stop=v.stop)
         return Verdict.from_json(self.store.compare_set(FAILURE.format(gen=self.job.generation), "",

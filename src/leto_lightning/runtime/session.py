@@ -147,14 +147,19 @@ class Session:
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout), device_id=device)
 
     def device(self) -> torch.device:
-        """This rank's GPU as torchrun's convention assigns it (``cuda:LOCAL_RANK``, modulo the
-        visible devices), made current. ``ConfigurationError`` when this process sees none."""
+        """This rank's GPU as torchrun's convention assigns it (``cuda:LOCAL_RANK``), made current.
+        ``ConfigurationError`` when this process sees no GPU, or fewer than its local rank needs."""
         from ..retained.backends.cuda_device import require_cuda
 
         require_cuda()
-        index = self.env.local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+        count, local = torch.cuda.device_count(), self.env.local_rank
+        if local >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+            raise ConfigurationError(
+                f"local rank {local} needs GPU {local}, but this process sees {count} (CUDA_VISIBLE_DEVICES="
+                f"{visible}): start at most {count} rank(s) per node (--nproc-per-node), or share GPUs over gloo")
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
 
     @property
     def creates_store(self) -> bool:
