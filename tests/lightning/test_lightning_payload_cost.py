@@ -98,3 +98,19 @@ def test_fast_loop_state_equals_lightnings_throughout_a_fit() -> None:
     assert cmp.diffs == [] and cmp.checked >= 24
     assert loop_state.loop_state_dict(trainer.fit_loop) == trainer.fit_loop.state_dict()  # checked, then fast
     assert loop_state._CHECKED[trainer.fit_loop] is True
+
+
+def test_non_parameter_state_shortcut_sees_buffers_added_later() -> None:
+    """A module tree with no buffers is recognised once and then skipped; a submodule added
+    later (with running statistics) is captured from then on, as ``state_dict`` would give."""
+    from leto_lightning.integrations.lightning.resume import non_parameter_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    assert non_parameter_state(model) == {} and non_parameter_state(model) == {}
+    model.append(torch.nn.BatchNorm1d(3))
+    model(torch.randn(4, 3))  # running statistics move
+    got = non_parameter_state(model)
+    want = {k: v for k, v in model.state_dict().items() if k.startswith("2.")}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    model(torch.randn(4, 3))
+    assert not torch.equal(non_parameter_state(model)["2.running_mean"], got["2.running_mean"])
