@@ -110,7 +110,8 @@ def test_non_parameter_state_shortcut_sees_buffers_added_later() -> None:
     model.append(torch.nn.BatchNorm1d(3))
     model(torch.randn(4, 3))  # running statistics move
     got = non_parameter_state(model)
-    want = {k: v for k, v in model.state_dict().items() if k.split(".")[-1] in ("running_mean", "running_var", "num_batches_tracked")}
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    want = {k: v for k, v in model.state_dict().items() if k.split(".")[-1] in stats}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     model(torch.randn(4, 3))
     assert not torch.equal(non_parameter_state(model)["2.running_mean"], got["2.running_mean"])
