@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 
-from ..errors import LetoTimeoutError
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
 from .messages import ResumeInfo
-from .session import Session, SessionEnv, init
+from .session import Session, SessionEnv, await_key, init
 
 _SESSION: Session | None = None
 _IMPORTED_AT = time.time()
@@ -174,11 +172,5 @@ class RuntimeLink:
 
     def wait_value(self, key: str, timeout_s: float = 600.0) -> str:
         store = self.connect().store
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                store.wait([key], timedelta(seconds=5))
-                return store.get(key).decode()
-            except LetoTimeoutError:  # the publisher is still starting (SignedStore.wait: by type)
-                if time.time() > deadline:
-                    raise
+        await_key(store, key, timeout_s)  # polled: a store wait that times out logs a c10d warning
+        return store.get(key).decode()

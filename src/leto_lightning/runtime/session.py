@@ -123,12 +123,7 @@ class Session:
             return
         self.signal_ready()
         key = PROMOTE.format(sgen=self.env.shadow_set)
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=5))
-                break
-            except LetoTimeoutError:  # not promoted yet; any other error: the agent is gone, nothing to shadow
-                continue
+        await_key(self.store, key)  # any store error: the agent is gone, nothing to shadow
         self.env.generation = Promotion.from_json(self.store.get(key)).generation
         self.promoted_at = time.time()
 
@@ -266,13 +261,7 @@ class Session:
 
     def _wait_for_store(self) -> None:
         """A shadow starts beside a fresh active trainer: attach once the active created it."""
-        key = STORE_READY.format(job=self.env.job_id, rank=self.rank)
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=5))
-                return
-            except LetoTimeoutError:  # the active trainer is still creating it
-                continue
+        await_key(self.store, STORE_READY.format(job=self.env.job_id, rank=self.rank))
 
     def barrier(self) -> None:
         """The prepare agreement: one flag all-reduce (raises if a peer is gone)."""
@@ -456,6 +445,21 @@ def connect(env: SessionEnv, environ: Mapping[str, str] = os.environ) -> SignedS
         store = dist.PrefixStore(prefix, store)
     return SignedStore(store, bytes.fromhex(environ[CHILD_ENV]), prefix,
                        _rejection_reporter(env, environ.get(EVENTS)))
+
+
+WAIT_POLL_S = 0.02  # a waiting shadow looks for its key this often: promotion is noticed within 20 ms
+
+
+def await_key(store: SignedStore, key: str, timeout_s: float | None = None) -> None:
+    """Block until ``key`` has an authentic value: by polling ``check``, never by a store wait
+    that times out -- c10d's TCPStore logs a warning for every wait that times out, so a shadow
+    waiting in 5 s waits printed two lines every 5 s for as long as it waited. ``timeout_s``:
+    ``LetoTimeoutError`` after that long (None: wait as long as it takes)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not store.check([key]):
+        if deadline is not None and time.monotonic() > deadline:
+            raise LetoTimeoutError(f"wait timeout: no value for {key!r} within {timeout_s:.0f} s")
+        time.sleep(WAIT_POLL_S)
 
 
 def init() -> Session:

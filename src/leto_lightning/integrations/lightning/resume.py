@@ -56,8 +56,8 @@ def rng_states() -> dict[str, Any]:
         np = None  # type: ignore[assignment]  # numpy is optional
     if np is not None:
         name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-        states["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                           float(cached_gaussian))
+        key_array = np.asarray(keys, dtype=np.int64)
+        states["numpy"] = (str(name), torch.from_numpy(key_array), int(pos), int(has_gauss), float(cached_gaussian))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
