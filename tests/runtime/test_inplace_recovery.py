@@ -106,16 +106,28 @@ def test_shadow_dying_during_promotion_starts_next_generation(tmp_path, referenc
 
 
 def test_non_hof_failure_takes_the_checkpoint_path(tmp_path, reference):
-    faults = [{"id": 0, "rank": 1, "iteration": 23, "point": "compute.begin", "action": "exit", "code": 43}]
+    """Rank 1 is SIGKILLed (a HOF) while it writes its iteration-20 checkpoint, after rank 0
+    wrote its own; a later failure declared not a HOF restarts both from checkpoints. Iteration
+    20 was never committed job-wide (rank 1 never finished it): both ranks resume from 10, and
+    the job ends bit-identical to the fault-free run (before the job-wide commit, rank 0 resumed
+    at 20 and rank 1 at 10, and their all-reduces paired different iterations)."""
+    faults = [{"id": 0, "rank": 1, "iteration": 19, "point": "checkpoint.saving", "wait_shadows": True},
+              {"id": 1, "rank": 1, "iteration": 23, "point": "compute.begin", "action": "exit", "code": 43}]
     result = run(tmp_path, ITERATIONS, faults=faults, extra=["--non-hof-exit-code", "43"])
     assert result.returncode == 0, result.output[-3000:]
-    (verdict,) = result.of("classification")
-    assert verdict["hof"] is False and "43" in verdict["reason"]
+    verdicts = result.of("classification")
+    assert [v["hof"] for v in verdicts] == [True, False] and "43" in verdicts[1]["reason"]
     (fallback,) = result.of("fallback_checkpoint")
     assert "non-HOF" in fallback["reason"]
     assert "restarting from the last checkpoint" in result.output
+    (restarted,) = result.of("checkpoint_restart_finished")
+    assert restarted["first_iteration"] == 10 and restarted["recompute_iterations"] == 13, restarted
+    checkpoints = tmp_path / "checkpoints"  # the newest committed one stays, older ones are gone
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["it000000050"]
+    assert sorted(p.name for p in (checkpoints / "it000000050").iterdir()) == ["COMMITTED", "rank0.pt", "rank1.pt"]
     for r in range(2):
         assert same_state(result.final(r), reference.final(r)) == []
+        assert result.losses(r) == reference.losses(r)
 
 
 def _events(run_dir):

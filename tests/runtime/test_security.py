@@ -341,11 +341,13 @@ class _Planted:
 @pytest.mark.skipif(not os.environ.get("LETO_LONG"), reason="a whole launched job (~1 min on 2 cores): LETO_LONG=1")
 def test_a_planted_checkpoint_is_not_run_on_a_restart(tmp_path):
     """The trainers' real restart path: a non-HOF exit before any checkpoint of this job makes the
-    agent restart from ``checkpoints/rank0.pt`` -- a planted pickle. Nothing runs; the job stops
-    with the refusal as its reason."""
+    agent restart from ``checkpoints/it000000000/rank0.pt`` -- a planted pickle, marked committed.
+    Nothing runs; the job stops with the refusal as its reason."""
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
-    (run_dir / "checkpoints").mkdir(parents=True, mode=0o700)
-    torch.save({"model": _Planted(marker)}, run_dir / "checkpoints" / "rank0.pt")
+    planted = run_dir / "checkpoints" / "it000000000"
+    planted.mkdir(parents=True, mode=0o700)
+    torch.save({"model": _Planted(marker)}, planted / "rank0.pt")
+    (planted / "COMMITTED").write_text("0\n")
     fault = {"id": 0, "rank": 0, "iteration": 0, "point": "compute.begin", "action": "exit", "code": 17}
     result = run(run_dir, 3, faults=[fault], nproc=1, extra=["--no-shadows", "--non-hof-exit-code", "17"])
     assert not marker.exists()

@@ -30,7 +30,7 @@ import time
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
-from .messages import ResumeInfo
+from .messages import FirstDone, ResumeInfo
 from .session import Session, SessionEnv, await_key, init
 
 _SESSION: Session | None = None
@@ -140,7 +140,8 @@ class RuntimeLink:
         self._last_beat = time.time()
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
-            s.store.set(FIRST_DONE.format(gen=s.env.generation, rank=s.rank), str(time.time()))
+            s.store.set(FIRST_DONE.format(gen=s.env.generation, rank=s.rank),
+                        FirstDone(t=time.time(), it=iteration).to_json())
 
     def alive(self, iteration: int, phase: str) -> None:
         """Between steps (validation, checkpoints): a heartbeat at most every interval."""

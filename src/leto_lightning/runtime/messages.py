@@ -62,6 +62,21 @@ class ResumeInfo:
 
 
 @dataclass(frozen=True)
+class FirstDone:
+    """A trainer finished its first iteration of a generation (``keys.FIRST_DONE``)."""
+
+    t: float  # when (Unix seconds)
+    it: int  # which iteration it was
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> FirstDone:
+        return cls(**_fields(raw, "first iteration"))
+
+
+@dataclass(frozen=True)
 class Promotion:
     generation: int  # the generation the promoted shadows train in
 

@@ -37,8 +37,8 @@ from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
-from .keys import FAILURE, FIRST_DONE, HEARTBEAT, RESUMED, SHADOWS_READY, STORE_READY
-from .messages import Heartbeat, ResumeInfo, Verdict
+from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
+from .messages import FirstDone, ResumeInfo, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
@@ -276,7 +276,7 @@ class Recovery:
         done = [FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
         if not self.store.check(done):
             return
-        now = max(float(self.store.get(k)) for k in done)
+        now = max(FirstDone.from_json(self.store.get(k)).t for k in done)
         first = now - rec.t_resumed
         breakdown = rec.timing.rounded()
         breakdown["recompute"] = round(first if rec.recomputes else 0.0, 4)
@@ -304,12 +304,12 @@ class Recovery:
             return
         t_fail, failed = self._restart
         self._restart = None
-        beats = [Heartbeat.from_json(self.store.get(HEARTBEAT.format(rank=r))) for r in self.trainers.actives]
-        first = min((b.it for b in beats if b is not None), default=None)
-        now = max(float(self.store.get(k)) for k in done)
+        firsts = [FirstDone.from_json(self.store.get(k)) for k in done]
+        first = min(f.it for f in firsts)
+        now = max(f.t for f in firsts)
         self.events.emit("checkpoint_restart_finished", gen, total_s=round(now - t_fail, 4), failed_iteration=failed,
                          first_iteration=first,
-                         recompute_iterations=(failed - first) if failed is not None and first is not None else None)
+                         recompute_iterations=(failed - first) if failed is not None else None)
 
     def _close_interrupted(self) -> None:
         """A failure before every rank's first iteration after resuming: the recovery's books

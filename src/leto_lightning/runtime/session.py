@@ -39,6 +39,7 @@ from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
 from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_tier2, layout_for
 from ..updater.transaction import ParityCodes
 from .auth import CHILD_ENV
+from .checkpoints import CheckpointCommits
 from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
 from .control import SignedStore
 from .keys import (
@@ -54,7 +55,7 @@ from .keys import (
     SHADOWS_READY,
     STORE_READY,
 )
-from .messages import Heartbeat, Promotion, ResumeInfo
+from .messages import FirstDone, Heartbeat, Promotion, ResumeInfo
 from .storage import atomic_torch_save
 
 
@@ -299,18 +300,38 @@ class Session:
     def resume_from_checkpoint(self) -> bool:
         return self.env.resume == ResumeMode.CHECKPOINT
 
-    def checkpoint_path(self) -> str:
-        return os.path.join(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")
+    @property
+    def checkpoints(self) -> CheckpointCommits:
+        """This job's checkpoint iterations, committed job-wide (``runtime/checkpoints.py``)."""
+        return CheckpointCommits(os.path.join(self.env.run_dir, "checkpoints"), self.rank, self.world_size,
+                                 self.store, self.env.generation)
 
-    def save_checkpoint(self, state: dict) -> str:
-        """Atomically write this rank's checkpoint (the slow path's restart point)."""
-        path = self.checkpoint_path()
+    def checkpoint_path(self, iteration: int) -> str:
+        return os.path.join(self.checkpoints.directory(iteration), f"rank{self.rank}.pt")
+
+    def save_checkpoint(self, state: dict, iteration: int | None = None) -> str:
+        """Write this rank's checkpoint of ``iteration`` (default: ``state["iteration"]``, where the
+        restart continues) atomically, and commit it once every rank has written its own: a
+        restart uses only iterations every rank finished. Every rank calls it for the same
+        iterations (it waits for the others). A full disk raises ``StorageError``."""
+        if iteration is None:
+            if not isinstance(state.get("iteration"), int):
+                raise UsageError("save_checkpoint(state, iteration=N): the iteration the restart continues at "
+                                 "(or put it in state['iteration'])")
+            iteration = state["iteration"]
+        path = self.checkpoint_path(iteration)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return atomic_torch_save(state, path)  # a full disk raises StorageError, leaves no partial file
+        point("checkpoint.saving", iteration=iteration)
+        atomic_torch_save(state, path)  # no partial file, ever
+        point("checkpoint.written", iteration=iteration)
+        self.checkpoints.saved(iteration, [path])
+        return path
 
     def load_checkpoint(self) -> dict | None:
-        path = self.checkpoint_path()
-        return load_checkpoint_file(path) if os.path.exists(path) else None
+        """This rank's file of the newest checkpoint iteration committed job-wide (every rank
+        gets the same iteration; None when there is none). Every rank calls it."""
+        iteration = self.checkpoints.newest_committed()
+        return None if iteration is None else load_checkpoint_file(self.checkpoint_path(iteration))
 
 
 class ProtectedTraining:
@@ -357,8 +378,9 @@ class ProtectedTraining:
         self.session.heartbeat(self.optimizer.iteration - 1, "done")
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
+            done = FirstDone(t=time.time(), it=self.optimizer.iteration - 1)
             self.session.store.set(FIRST_DONE.format(gen=self.session.env.generation, rank=self.session.rank),
-                                   str(time.time()))
+                                   done.to_json())
 
     def finish(self) -> None:
         if dist.is_initialized():

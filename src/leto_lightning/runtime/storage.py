@@ -52,6 +52,57 @@ def atomic_write(path: str, write: Callable[[str], None]) -> str:
     return path
 
 
+def durable(path: str) -> None:
+    """fsync ``path`` (a file, or every file below a directory) and the directory that holds it:
+    after a power loss or a killed node it is there whole, or not at all."""
+    paths = [path]
+    if os.path.isdir(path):
+        paths = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    parent = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+def replace_dir(staged: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the complete directory ``staged`` in place of ``path`` (a checkpoint rewritten in
+    place): the old one is renamed aside first and removed last, so a crash leaves either of
+    them whole -- at worst the old one under ``.<name>.old``, which ``restore_replaced`` puts
+    back."""
+    staged, path = os.fspath(staged), os.fspath(path)
+    durable(staged)
+    old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+    if os.path.exists(old):
+        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(staged, path)
+    durable(path)
+    if os.path.exists(old):
+        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+
+
+def restore_replaced(directory: str | os.PathLike) -> list[str]:
+    """Put back what a crash between ``replace_dir``'s two renames left aside (the old checkpoint
+    whose replacement never arrived); returns the paths restored."""
+    directory = os.fspath(directory)
+    restored = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith(".") and name.endswith(".old"):
+            target = os.path.join(directory, name[1:-len(".old")])
+            if not os.path.exists(target):
+                os.rename(os.path.join(directory, name), target)
+                restored.append(target)
+    return restored
+
+
 def atomic_torch_save(obj: object, path: str) -> str:
     """``torch.save`` that never leaves a partial file at ``path``."""
     import torch

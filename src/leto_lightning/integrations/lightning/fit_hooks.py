@@ -30,6 +30,7 @@ from ...faults.points import point
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...runtime.link import RuntimeLink
+from ...runtime.storage import restore_replaced
 from ...updater.retained_optimizer import RetainedOptimizer
 from .callback import LetoLoopStateCallback
 from .data import ResumableDataLoader
@@ -301,6 +302,8 @@ def begin_fit(host: LetoHost, ckpt_path: Any, trainer: pl.Trainer | None) -> Any
     from_retained = ckpt_path is not None and str(ckpt_path) == RETAINED_CKPT
     ckpt_file = None
     if ckpt_path is not None and not from_retained and trainer is not None:
+        for callback in trainer.checkpoint_callbacks:  # a save a crash cut between its two renames
+            restore_replaced(getattr(callback, "dirpath", None) or "")
         ckpt_path = ckpt_file = trainer._checkpoint_connector._select_ckpt_path(
             TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
     if from_retained:

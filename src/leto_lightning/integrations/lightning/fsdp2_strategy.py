@@ -26,8 +26,10 @@ with Leto: that combination is refused, this strategy is FSDP2 only.
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +41,7 @@ from typing_extensions import override
 from ...errors import ConfigurationError, UsageError
 from ...retained.config import RetainedConfig
 from ...runtime.link import RuntimeLink
+from ...runtime.storage import replace_dir
 from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
 from ...updater.retained_optimizer import RetainedOptimizer
 from .callback import LetoLoopStateCallback
@@ -277,7 +280,24 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        """A distributed checkpoint is written whole or not at all: every rank writes its shards
+        into a new directory beside ``filepath``, and only once all have (a barrier) does rank 0
+        put it in place of the old one -- ``ModelParallelStrategy`` writes into an existing
+        directory (``last.ckpt`` every time), so a rank killed mid-save left new shards of some
+        ranks beside old shards of others, which a restart loaded as one checkpoint."""
+        path = Path(self.broadcast(str(filepath)))
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, path, storage_options)
+        else:
+            staged = path.with_name(f".{path.name}.saving")
+            if self.is_global_zero and staged.exists():
+                shutil.rmtree(staged)  # a save a crash interrupted: never complete, never used
+            self.barrier("leto-ckpt-staged")
+            super().save_checkpoint(checkpoint, staged, storage_options)
+            self.barrier("leto-ckpt-written")  # every rank's shards (and rank 0's metadata) are on disk
+            if self.is_global_zero:
+                replace_dir(staged, path)
+            self.barrier("leto-ckpt-placed")
         checkpoint_saved(self, checkpoint, self.is_global_zero)
 
     @override
