@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ...runtime.contract import RESUME, ResumeMode
+from ...runtime.storage import durable
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def saved(run_dir: str, rank: int) -> dict[int, str]:
 
 
 def remember(run_dir: str, rank: int, iteration: int, directory: str) -> None:
-    """Record a complete checkpoint of this rank (called after its files are written)."""
+    """Record a complete checkpoint of this rank (called after its files are written): they are
+    made durable first, so a record never names files a power loss could still take."""
+    durable(directory)
     records = saved(run_dir, rank)
     records[iteration] = os.path.abspath(directory)
     path = record_path(run_dir, rank)
@@ -60,6 +63,7 @@ def remember(run_dir: str, rank: int, iteration: int, directory: str) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump({str(it): d for it, d in sorted(records.items())}, f)
     os.replace(path + ".tmp", path)  # a crash while writing leaves the previous record
+    durable(path)
 
 
 def forget(run_dir: str, rank: int) -> None:
