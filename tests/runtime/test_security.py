@@ -33,6 +33,7 @@ from .harness import finish, launch_args, run, same_state, start, stop, wait_for
 
 ITERATIONS = 12
 FAULT = {"id": 0, "rank": 1, "iteration": 7, "point": "chunk.math_done", "occurrence": 1, "wait_shadows": True}
+SHARED_SECRET = "one-secret-for-two-jobs-" + os.urandom(8).hex()  # LETO_SECRET exported for both
 
 
 def _client(port: int) -> dist.TCPStore:
@@ -100,7 +101,11 @@ def reference(tmp_path_factory):
 def attacked(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("attacked") / "run"
     dead = _dead_agents_lock(run_dir)
-    proc = start(run_dir, ITERATIONS, faults=[FAULT])
+    os.environ["LETO_SECRET"] = SHARED_SECRET  # as a user who exports one secret for every job
+    try:
+        proc = start(run_dir, ITERATIONS, faults=[FAULT])
+    finally:
+        del os.environ["LETO_SECRET"]
     seen, second = {"dead_agent": dead}, None
     try:
         wait_for(lambda: any(e["event"] == "job_started" for e in read_events(run_dir)), 120, "job_started")
@@ -113,6 +118,16 @@ def attacked(tmp_path_factory):
         evil = _client(port)
         for key in ("finished/0/0", "finished/0/1", "finished/1/0", "finished/1/1"):
             evil.set(key, str(time.time()))  # an exit after "finished" is no failure: would end the job early
+        # a genuine "promote" of another job sharing the secret: signed with the secret itself (what
+        # any launch signed with before launch keys), then with another launch's key
+        seen["replay_rejected_by"] = []
+        for key in (SHARED_SECRET.encode(), auth.derive_job_key(SHARED_SECRET.encode(), "another-launch")):
+            other_job = SignedStore(dist.HashStore(), key)
+            before = len(_rejections(run_dir, "promote/0-0"))
+            evil.set("promote/0-0", other_job.sign("promote/0-0", json.dumps({"generation": 0})))
+            wait_for(lambda before=before: len(_rejections(run_dir, "promote/0-0")) >= before + 2, 60,
+                     "both waiting shadows rejecting the replay")
+            seen["replay_rejected_by"].append({e["reader"] for e in _rejections(run_dir, "promote/0-0")[before:]})
         evil.set("promote/0-0", json.dumps({"generation": 0}))  # shadows would train beside the actives
         seen["second"] = (second.communicate(timeout=120)[0], second.returncode)
         _replay_a_heartbeat(evil, run_dir)
@@ -123,6 +138,10 @@ def attacked(tmp_path_factory):
         if "second" not in seen and second is not None:
             stop(second)
     return seen
+
+
+def _rejections(run_dir, key: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "control_message_rejected" and e.get("key") == key]
 
 
 def _replay_a_heartbeat(evil: dist.TCPStore, run_dir) -> None:
@@ -186,6 +205,8 @@ def test_forged_and_replayed_control_messages_change_nothing(attacked, reference
     assert ("hb/0", "replayed") in by_key, rejected
     assert ("hb/1", "forged") in by_key, rejected  # rank 0's valid heartbeat, copied to rank 1's key
     assert any(e["reader"].endswith("shadow") for e in rejected if e["key"] == "promote/0-0")
+    # another job's genuine promote (the same LETO_SECRET): rejected by both waiting shadows
+    assert attacked["replay_rejected_by"] == [{"rank 0 shadow", "rank 1 shadow"}] * 2
     (done,) = [e for e in result.of("recovery_finished") if not e.get("interrupted")]
     assert done["promoted"] == "shadow"
     for rank in (0, 1):
@@ -216,7 +237,7 @@ def test_run_dir_is_its_owners_alone(attacked):
     assert set(modes.values()) == {"0o600"}, modes
     assert not os.path.exists(run_dir / rundir.LOCK_FILE)  # released at the end
     # what the job's trainers saved loads under weights_only=True
-    ckpt = load_checkpoint_file(str(run_dir / "checkpoints" / "rank0.pt"))
+    ckpt = load_checkpoint_file(str(run_dir / "checkpoints" / "it000000010" / "rank0.pt"))
     assert ckpt["iteration"] == 10
 
 

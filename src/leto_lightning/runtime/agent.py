@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..console import notice, say
 from ..errors import ConfigurationError
 from ..retained.shm import new_job_id, unlink_segments
-from .auth import job_secret
+from .auth import job_key, job_secret
 from .config import RuntimeConfig
 from .contract import ResumeMode
 from .control import SignedStore, host_store
@@ -180,8 +180,11 @@ class Agent:
             raise ConfigurationError(_store_problem(s, exc)) from exc
         self.port = store.port
         raw: dist.Store = dist.PrefixStore(s.store_prefix, store) if s.store_prefix else store
-        self.secret = job_secret(raw, s.node_rank, s.nnodes, s.run_dir, s.secret_file,
-                                      self.config.startup_timeout, self.stop.check)
+        secret = job_secret(raw, s.node_rank, s.nnodes, s.run_dir, s.secret_file, self.config.startup_timeout,
+                            self.stop.check)
+        # what agents and trainers sign with: a key of this launch (a shared secret is not enough
+        # to forge or replay across jobs)
+        self.secret = job_key(raw, s.node_rank, secret, self.config.startup_timeout, self.stop.check)
         return SignedStore(raw, self.secret, s.store_prefix, self._message_rejected)
 
     def _assemble(self, store: SignedStore) -> _Parts:

@@ -12,6 +12,13 @@
 - Node 0 publishes the secret's fingerprint (an HMAC of a constant: it reveals nothing); a node
   whose secret does not match stops with an error that says which secret to give: at once when
   the secret was given, after a short grace when it is read from a shared run dir.
+- **Messages sign with a key of this launch, not with the secret** (``job_key``): node 0 draws a
+  random nonce per launch and publishes it (authenticated with the secret); every agent and
+  trainer signs with ``HMAC(secret, nonce)``. A secret shared by two jobs (the same
+  ``LETO_SECRET`` exported for both) then still gives each its own key: a value captured in one
+  job and written into the other is rejected as forged. Node 0 uses the nonce it drew, never one
+  read back: a replayed nonce can at worst make another node disagree with node 0 -- the job then
+  fails to start, it never accepts another job's messages.
 """
 
 from __future__ import annotations
@@ -120,6 +127,39 @@ def job_secret(store: dist.Store, node_rank: int, nnodes: int, run_dir: str, sec
                 f"node {node_rank} did not get the job's secret: {how}. Give every node's "
                 f"`leto launch` the same fresh secret ({SECRET_ENV} or --secret-file), or a run dir on a filesystem "
                 "all nodes share")
+        time.sleep(0.1)
+
+
+NONCE_KEY = "auth/launch"  # node 0's nonce of this launch, with its HMAC under the secret
+
+
+def _nonce_tag(secret: bytes, nonce: str) -> str:
+    return hmac.new(secret, b"leto launch nonce\0" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def derive_job_key(secret: bytes, nonce: str) -> bytes:
+    """The key this launch signs its control messages with (hex bytes, like a secret)."""
+    return hmac.new(secret, b"leto job key\0" + nonce.encode(), hashlib.sha256).hexdigest().encode()
+
+
+def job_key(store: dist.Store, node_rank: int, secret: bytes, timeout: float,
+            check_stop: Callable[[], None] = lambda: None) -> bytes:
+    """This launch's signing key (module doc): node 0 draws and publishes the nonce, the other
+    nodes wait for a value authentic under the secret. ``store`` is the raw store."""
+    if node_rank == 0:
+        nonce = secrets.token_hex(16)
+        store.set(NONCE_KEY, f"{nonce}.{_nonce_tag(secret, nonce)}")
+        return derive_job_key(secret, nonce)
+    deadline = time.monotonic() + timeout
+    while True:
+        check_stop()
+        if store.check([NONCE_KEY]):
+            nonce, _, tag = store.get(NONCE_KEY).decode(errors="replace").partition(".")
+            if hmac.compare_digest(tag, _nonce_tag(secret, nonce)):
+                return derive_job_key(secret, nonce)
+        if time.monotonic() > deadline:
+            raise LetoTimeoutError(f"node {node_rank} got no launch nonce from node 0 within {timeout:.0f} s (the "
+                                   "job's store holds none authentic under the job's secret)")
         time.sleep(0.1)
 
 

@@ -9,7 +9,11 @@ job id, failure verdicts, recovery lockstep, heartbeats, ...) is written as::
 rejects a value that was not signed with the secret (forged), that was signed for another key
 (copied), or that is older than one it already accepted from the same writer on the same key
 (replayed). A rejected value is reported once (``on_reject``) and the reader goes on as if it
-were not there: the last accepted value stands, or the key still counts as unset.
+were not there: the last accepted value stands, or the key still counts as unset. Nothing of a
+rejected value is kept: it is counted (``rejected``) and remembered by a 32-byte digest (at most
+``MAX_REMEMBERED`` of them), and a value over ``MAX_MESSAGE`` bytes -- no control message is
+near that -- is refused before its MAC is even computed. A flood of large forged values costs
+the reader the time to read each once, never memory.
 
 The store itself is hosted on a socket bound to ``--master-addr`` only (127.0.0.1 by default):
 a single-node job is not reachable from other hosts. Process groups use ``raw`` -- torch's own
@@ -34,6 +38,8 @@ from ..errors import ConfigurationError, InternalError, LetoTimeoutError
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait re-reads a key that holds a rejected value
+MAX_MESSAGE = 1 << 20  # bytes: the largest control value accepted (the real ones are under a few KiB)
+MAX_REMEMBERED = 4096  # digests of rejected values kept to report each once
 
 
 def is_store_timeout(exc: BaseException) -> bool:
@@ -101,7 +107,8 @@ class SignedStore:
         self._on_reject = on_reject
         self._accepted: dict[str, tuple[bytes, bytes]] = {}  # key -> (raw message, value)
         self._latest: dict[tuple[str, str], int] = {}  # (key, writer) -> newest seq accepted
-        self._reported: set[tuple[str, bytes]] = set()
+        self._reported: set[bytes] = set()  # digests of (key, rejected message): each reported once
+        self.rejected = 0  # rejected values read (each distinct one counted once)
 
     @property
     def timeout(self) -> timedelta:
@@ -125,6 +132,9 @@ class SignedStore:
         known = self._accepted.get(key)
         if known is not None and known[0] == message:
             return known[1]
+        if len(message) > MAX_MESSAGE:
+            self._reject(key, message, f"oversize: {len(message)} bytes, no control message is over {MAX_MESSAGE}")
+            return None
         parts = message.split(b".", 3)
         if len(parts) != 4 or not parts[2].isdigit() or not hmac.compare_digest(
                 parts[0], self._mac(key, parts[1], parts[2], parts[3])):
@@ -139,9 +149,13 @@ class SignedStore:
         return parts[3]
 
     def _reject(self, key: str, message: bytes, reason: str) -> None:
-        if (key, message) in self._reported:
+        digest = hashlib.sha256(key.encode() + b"\0" + message).digest()
+        if digest in self._reported:
             return
-        self._reported.add((key, message))
+        if len(self._reported) >= MAX_REMEMBERED:  # a flood: forget (each may be reported again), never grow
+            self._reported.clear()
+        self._reported.add(digest)
+        self.rejected += 1
         logger.warning("control message rejected: key %r: %s", key, reason)
         if self._on_reject is not None:
             self._on_reject(key, reason)
