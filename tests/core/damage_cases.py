@@ -139,6 +139,35 @@ def run_damage_case(base: BaseState, kind: str, seed: int) -> tuple[str, str]:
             s.close()
 
 
+def run_repeated_damage_case(base: BaseState, kinds: tuple[str, ...], seed: int) -> tuple[str, str]:
+    """One location of a redundantly kept kind damaged, recovered; then another, recovered again:
+    each hit alone is within the copies' reach, so both rounds must end exact -- which they do
+    only if the first recovery rewrote the copy it found damaged. (outcome, detail) as above."""
+    rng = random.Random(seed)
+    job, sc = base.job, base.job.scenario
+    for s in job.stores:
+        for seg in s.segments.values():
+            seg.tensor.copy_(base.saved[seg.name])
+    done: list[str] = []
+    for _ in range(2):
+        done += damage(job.stores, rng.choice(kinds), 1, rng)
+        stores = {}
+        try:
+            for r in range(sc.n_ranks):
+                stores[r] = RetainedStore.attach(job.job_id, r)
+            reports = recover_node(stores)
+            resume = {rep.resume_iteration for rep in reports.values()}
+            wrong = [d for s in stores.values() for d in _differs(s, base.golden[s.spec.local_rank])]
+            if resume != {base.resume} or wrong:
+                return "WRONG", f"{done}: resumes at {resume}, expected {base.resume}; {wrong}"
+        except Exception as exc:  # any error here is a store the copies could have kept
+            return "LOST", f"{done}: {type(exc).__name__}: {exc}"
+        finally:
+            for s in stores.values():
+                s.close()
+    return "exact", ""
+
+
 def _continue_and_compare(job, base: BaseState) -> list[str]:
     """Bind fresh skeletons, check the state, train one more iteration and check again (a wrong
     step counter shows only in the next update)."""

@@ -14,7 +14,7 @@ import torch
 
 from leto_lightning.testing.scenario import CoreScenario
 
-from .damage_cases import KINDS, make_base, run_damage_case, table
+from .damage_cases import KINDS, make_base, run_damage_case, run_repeated_damage_case, table
 
 torch.set_num_threads(1)
 BASES = [(optimizer, name) for optimizer in ("adamw", "rmsprop_whole") for name in ("idle", "torn")]
@@ -53,6 +53,19 @@ def test_random_damage_is_repaired_exactly_or_reported(bases, base_index, kind):
         if outcome not in ("exact", "reported"):
             failures.append((seed, outcome, detail))
     assert not failures, f"{len(failures)} of {PER_ITEM} {base.name}/{kind} cases wrong; first: {failures[:3]}"
+
+
+@pytest.mark.parametrize("kinds", [("spec",), ("meta", "record")])
+@pytest.mark.parametrize("base_index", [i for i, (_, name) in enumerate(BASES) if name == "idle"])
+def test_damage_to_one_copy_then_another_is_repaired_both_times(bases, base_index, kinds):
+    """Two rounds of one damaged location each in the kinds kept twice (spec and completion mark;
+    metadata and its mirror, undo header, progress record), recovered after each: all exact."""
+    failures = []
+    for seed in range(PER_ITEM * 4):
+        outcome, detail = run_repeated_damage_case(bases[base_index], kinds, seed)
+        if outcome != "exact":
+            failures.append((seed, outcome, detail))
+    assert not failures, f"{len(failures)} of {PER_ITEM * 4} cases lost; first: {failures[:3]}"
 
 
 def test_damage_counts_by_kind_and_outcome(capsys):

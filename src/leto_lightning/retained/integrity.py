@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..faults.points import point
 from .spec import UNDO_CHUNK, UNDO_CRCS, UNDO_NPAGES, UNDO_NPIECES, UNDO_VERSION, words_crc
 
 GRAD_SEED = -2  # checksum seeds of the non-chunk sums
@@ -146,14 +147,24 @@ class Metadata:
                 best = (seq, i)
         return None if best is None else self._heads[best[1]][: self._head_words].copy()
 
-    def repair_header(self) -> bool:
-        """Rewrite both copies from the newest intact one; False when neither is intact."""
-        words = self.read_header()
-        if words is None:
-            return False
-        if len({self._head_seq(i) for i in range(2)}) != 1 or self._head_seq(0) is None:
-            self.write_header(words)
-        return True
+    def repair_header(self) -> list[int]:
+        """Rewrite each copy that is not the newest intact one from it (damaged, or left older by a
+        write killed between the copies); returns the copies rewritten. The source copy is never
+        written, so a kill here leaves at least the intact copy there was."""
+        seqs = [self._head_seq(i) for i in range(2)]
+        if seqs[0] is None and seqs[1] is None:
+            return []
+        best = 0 if seqs[1] is None or (seqs[0] is not None and seqs[0] >= seqs[1]) else 1
+        source, n, done = self._heads[best], self._head_words + 2, []
+        for i in range(2):
+            target = self._heads[i]
+            if i != best and not np.array_equal(target[:n], source[:n]):
+                target[n - 1] = 0  # invalid while it is rewritten
+                target[: n - 1] = source[: n - 1]
+                point("recovery.copy_rewrite", what="undo header", copy=i)
+                target[n - 1] = source[n - 1]
+                done.append(i)
+        return done
 
 
 @dataclass
@@ -174,10 +185,9 @@ def check_metadata(meta: Metadata, undo_whole: int) -> MetaVerdict:
     name = store.spec.name("meta")
     header = meta.read_header()
     verdict = MetaVerdict(header)
-    if header is not None and not meta.repair_header():  # pragma: no cover - read_header found one
-        verdict.lost.append(f"segment {name}: undo header")
-    if header is not None and any(meta._head_seq(i) is None for i in range(2)):
-        verdict.repaired.append(f"segment {name}: undo header copy")
+    damaged_heads = [i for i in range(2) if meta._head_seq(i) is None]
+    rewritten = meta.repair_header()
+    verdict.repaired += [f"segment {name}: undo header copy {i} (rewritten)" for i in rewritten if i in damaged_heads]
     p, m = meta.primary, meta.mirror
     chunk = int(header[UNDO_CHUNK]) if header is not None else None
     version = int(header[UNDO_VERSION]) if header is not None else -1  # -1: unused, no chunk then
@@ -212,13 +222,21 @@ def _committed(meta: Metadata, copy: MetaCopy, c: int, version: int) -> bool:
 
 
 def _whole_committed(meta: Metadata, version: int) -> bool:
-    """Did the whole-state transaction at ``version`` commit? The mirror is written only after the
-    commit, so a complete mirror at ``version + 1`` says yes even when the primary is damaged; the
-    primary alone says yes only with its scalar state intact (the mirror's may be older)."""
+    """Did the whole-state transaction at ``version`` commit? Decided item by item, so damage to
+    one copy of one item and the other copy of another still leaves the answer:
+
+    - every chunk's commit mark shows ``version + 1`` in a valid copy, primary or mirror (the
+      primaries are sealed in chunk order, the last one is the commit point, and the mirror is
+      written only after it: a chunk still uncommitted has neither copy at ``version + 1``);
+    - the scalar state is valid in a copy known to hold its new values: the primary's (the step
+      is done, so it holds the new values; it is sealed first at the commit), or the mirror's
+      once the mirror was written after the commit (some mirror chunk valid at ``version + 1``
+      says so; before that it may be older)."""
     chunks = range(meta.n_chunks)
-    if all(_committed(meta, meta.mirror, c, version) for c in chunks) and meta.state_valid(meta.mirror):
-        return True
-    return meta.state_valid(meta.primary) and all(_committed(meta, meta.primary, c, version) for c in chunks)
+    mirrored = [_committed(meta, meta.mirror, c, version) for c in chunks]
+    if not all(m or _committed(meta, meta.primary, c, version) for c, m in zip(chunks, mirrored)):
+        return False
+    return meta.state_valid(meta.primary) or (meta.state_valid(meta.mirror) and any(mirrored))
 
 
 def _settle_item(meta: Metadata, verdict: MetaVerdict, what: str | None, valid, to_mirror, to_primary) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CHECKPOINT_ADVICE, ConfigurationError, RecoveryError
+from ..faults.points import point
 
 __all__ = ["ProgressEntry", "ProgressRecord", "RecordEntry", "RecordStatus", "RecordTooLargeError", "read_all"]
 
@@ -212,14 +213,43 @@ class ProgressRecord:
         newest = 0 if seqs[0] >= seqs[1] else 1
         return 1 - newest, max(seqs[newest], 0) + 1
 
-    def _read_slot(self, slot: torch.Tensor) -> RecordEntry | None:
-        header = bytes(slot[: _HEADER.size].numpy())
-        magic, seq, length, crc = _HEADER.unpack(header)
+    def repair_copies(self) -> list[int]:
+        """Rewrite every slot that does not hold its pair's newest intact entry (damaged, or left
+        behind by a write killed between the pair's two slots) from the slot that does; returns
+        the slots rewritten. The source is never written, and the copy is made as ``write``
+        makes one (magic last), so a kill here leaves at least what was intact before."""
+        done = []
+        for pair in self._pairs:
+            found = {i: self._intact(self._slots[i]) for i in pair}
+            newest = max((f for f in found.values() if f is not None), default=None)
+            if newest is None:
+                continue
+            source = self._slots[next(i for i, f in found.items() if f == newest)]
+            for i, f in found.items():
+                if f != newest:
+                    target, n = self._slots[i], _HEADER.size + newest[1]
+                    target[:8].zero_()
+                    target[8:n].copy_(source[8:n])
+                    point("recovery.copy_rewrite", what="progress record", copy=i)
+                    target[:8].copy_(source[:8])
+                    done.append(i)
+        return done
+
+    def _intact(self, slot: torch.Tensor) -> tuple[int, int] | None:
+        """(seq, length) of the entry in ``slot`` when its header and checksum are intact."""
+        magic, seq, length, crc = _HEADER.unpack(bytes(slot[: _HEADER.size].numpy()))
         if magic != _MAGIC or length > self.capacity:
             return None
-        body = bytes(slot[_HEADER.size : _HEADER.size + length].numpy())
-        if _crc(seq, length, body) != crc:
+        if _crc(seq, length, bytes(slot[_HEADER.size : _HEADER.size + length].numpy())) != crc:
             return None
+        return seq, length
+
+    def _read_slot(self, slot: torch.Tensor) -> RecordEntry | None:
+        intact = self._intact(slot)
+        if intact is None:
+            return None
+        seq, length = intact
+        body = bytes(slot[_HEADER.size : _HEADER.size + length].numpy())
         return RecordEntry(seq, _from_wire(seq, pickle.loads(body)))
 
 

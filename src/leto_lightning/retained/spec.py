@@ -2,7 +2,8 @@
 how it is kept in the ``spec`` segment.
 
 The spec is stored as plain JSON (never a pickle), twice, each copy behind a header with its
-length and a CRC-64; a reader takes the first copy that validates. In front of each copy sits
+length and a CRC-64; a reader verifies both and takes the first that validates (recovery
+rewrites a damaged copy, and a damaged mark, from the intact one). In front of each copy sits
 one copy of the **completion mark**: "this store is completely initialised and
 protected". It is written last, once every segment exists, the views are bound and all parity
 (tier 2 included) is encoded, and it carries the CRC of the spec it belongs to. A store without
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError, RetainedStateError
+from ..faults.points import point
 from ..protection.checksum import checksum
 from .config import RetainedConfig
 from .groups import Tier1Plan, Tier2Plan
@@ -222,33 +224,83 @@ def write_spec(buf: torch.Tensor, spec: StoreSpec) -> None:
         slot[: len(image)].copy_(torch.frombuffer(bytearray(image), dtype=torch.uint8))
 
 
+@dataclass(frozen=True)
+class _SpecCopy:
+    """One intact spec copy as found in its slot."""
+
+    index: int
+    spec: StoreSpec
+    crc: int
+    image_bytes: int  # header and JSON: what a copy to the other slot must take
+
+
+def _read_copy(slot: torch.Tensor, index: int, name: str) -> _SpecCopy | str:
+    """The copy in ``slot``, or what is wrong with it."""
+    magic, length, crc = _SLOT_HEAD.unpack(bytes(slot[: _SLOT_HEAD.size].numpy()))
+    if magic != _SLOT_MAGIC or length > slot.numel() - _SLOT_HEAD.size:
+        return f"segment {name}: spec copy {index} has no valid header"
+    blob = bytes(slot[_SLOT_HEAD.size : _SLOT_HEAD.size + length].numpy())
+    if _crc64(blob) != crc:
+        return f"segment {name}: spec copy {index} fails its checksum"
+    try:
+        return _SpecCopy(index, StoreSpec.from_json(blob), crc, _SLOT_HEAD.size + length)
+    except (ValueError, KeyError, TypeError) as exc:  # a valid checksum over a spec of another version
+        return f"segment {name}: spec copy {index} cannot be decoded ({type(exc).__name__}: {exc})"
+
+
+def _intact_copies(buf: torch.Tensor, name: str) -> tuple[list[_SpecCopy], list[str]]:
+    found = [_read_copy(slot, i, name) for i, slot in enumerate(_slots(buf))]
+    return [c for c in found if isinstance(c, _SpecCopy)], [f for f in found if isinstance(f, str)]
+
+
+def _chosen(buf: torch.Tensor, copies: list[_SpecCopy]) -> _SpecCopy:
+    """The copy to trust: the first, unless only the other one has a completion mark of its own
+    (two intact copies that differ: one was written for another spec)."""
+    marked = [c for c in copies if valid_marks(buf, c.crc)]
+    return (marked or copies)[0]
+
+
 def read_spec(buf: torch.Tensor, name: str) -> tuple[StoreSpec, int, list[str]]:
-    """The spec from the first intact copy; its crc; and what was wrong with the other copies.
+    """The spec from an intact copy; its crc; and what is wrong with the other copy.
 
-    Raises ``SpecUnreadableError`` (caught by the store, which knows what to call it) when no copy
-    is intact.
+    Both copies are verified: a damaged copy never read would go unnoticed (and unrepaired) until
+    the other one is hit too. Raises ``SpecUnreadableError`` (caught by the store, which knows
+    what to call it) when no copy is intact.
     """
-    findings = []
-    for i, slot in enumerate(_slots(buf)):
-        head = bytes(slot[: _SLOT_HEAD.size].numpy())
-        magic, length, crc = _SLOT_HEAD.unpack(head)
-        if magic != _SLOT_MAGIC or length > slot.numel() - _SLOT_HEAD.size:
-            findings.append(f"segment {name}: spec copy {i} has no valid header")
-            continue
-        blob = bytes(slot[_SLOT_HEAD.size : _SLOT_HEAD.size + length].numpy())
-        if _crc64(blob) != crc:
-            findings.append(f"segment {name}: spec copy {i} fails its checksum")
-            continue
-        try:
-            return StoreSpec.from_json(blob), crc, findings
-        except (ValueError, KeyError, TypeError) as exc:  # a valid checksum over a spec of another version
-            findings.append(f"segment {name}: spec copy {i} cannot be decoded ({type(exc).__name__}: {exc})")
-    raise SpecUnreadableError(" ".join(findings))
+    copies, findings = _intact_copies(buf, name)
+    if not copies:
+        raise SpecUnreadableError(" ".join(findings))
+    chosen = _chosen(buf, copies)
+    findings += [f"segment {name}: spec copy {c.index} differs from copy {chosen.index}"
+                 for c in copies if c.crc != chosen.crc]
+    return chosen.spec, chosen.crc, findings
 
 
-def repair_spec(buf: torch.Tensor, spec: StoreSpec) -> None:
-    """Rewrite both spec copies from the intact one (the marks are left as they are)."""
-    write_spec(buf, spec)
+def repair_spec_segment(buf: torch.Tensor, name: str, spec_crc: int) -> list[str]:
+    """Verify both spec copies and both completion marks of a *complete* store (the caller checked
+    that one mark is valid) and rewrite each damaged one from an intact one; returns what was
+    rewritten. Only damaged copies are written (the intact one is the source and is never
+    touched), so a kill during the repair leaves at least what was there before."""
+    copies, _ = _intact_copies(buf, name)
+    good = next((c for c in copies if c.crc == spec_crc), None)
+    if good is None:  # pragma: no cover - the store's spec was read from an intact copy
+        raise SpecUnreadableError(f"segment {name}: no spec copy with crc {spec_crc:#x} is left")
+    slots, done = _slots(buf), []
+    for i, slot in enumerate(slots):
+        if not any(c.index == i and c.crc == spec_crc for c in copies):
+            source = slots[good.index][: good.image_bytes]
+            slot[:8].zero_()  # no magic (invalid) while it is rewritten; the magic goes last
+            slot[8 : good.image_bytes].copy_(source[8:])
+            point("recovery.copy_rewrite", what="spec", copy=i)
+            slot[:8].copy_(source[:8])
+            done.append(f"segment {name}: spec copy {i} (rewritten)")
+    for i, view in enumerate(_slots(buf, marks=True)):
+        words = _mark_words(spec_crc, i)
+        if bytes(view.numpy()) != words:
+            point("recovery.copy_rewrite", what="completion mark", copy=i)
+            view.copy_(torch.frombuffer(bytearray(words), dtype=torch.uint8))
+            done.append(f"segment {name}: completion mark copy {i} (rewritten)")
+    return done
 
 
 def _mark_words(spec_crc: int, index: int) -> bytes:

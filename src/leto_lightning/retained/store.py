@@ -50,6 +50,7 @@ from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
     StoreSpec,
     any_mark,
     read_spec,
+    repair_spec_segment,
     valid_marks,
     write_marks,
     write_spec,
@@ -182,6 +183,17 @@ class RetainedStore:
                 f"rank {self.spec.rank}: retained store {self.spec.name('*')} has no valid completion mark: it was "
                 "half-initialised (its creator died during set-up, before all parity was encoded). Its contents "
                 "cannot be trusted: start from the last checkpoint (or afresh) and free it (`leto cleanup`).")
+
+    def rewrite_damaged_copies(self) -> list[str]:
+        """Verify both copies of the spec, of the completion mark and of each progress-record
+        entry, and rewrite every damaged copy from its intact twin (recovery, once
+        ``require_complete`` passed); returns what was rewritten. A copy left damaged would
+        lose the store at the next hit on its twin."""
+        done = repair_spec_segment(self.segments["spec"].tensor, self.spec.name("spec"), self.spec_crc)
+        self.spec_findings = []
+        done += [f"segment {self.spec.name('meta')}: progress-record slot {i} (rewritten from its twin)"
+                 for i in self.record.repair_copies()]
+        return done
 
     @contextmanager
     def tier2_lock(self, chunk: int):

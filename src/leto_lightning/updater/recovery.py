@@ -54,7 +54,6 @@ from ..errors import (
 from ..faults.points import point
 from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
 from ..retained.record import ProgressEntry, RecordStatus, read_all
-from ..retained.spec import repair_spec
 from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
 from .repair import RepairReport, page_ok, repair, verify_parity
 from .transaction import ChunkTransactions, ParityCodes
@@ -96,13 +95,13 @@ class RecoveryReport:
 
 
 def check_store(store: RetainedStore) -> tuple[Metadata, MetaVerdict]:
-    """Completion mark, spec copies and metadata of one store; raises what cannot be repaired."""
+    """Completion mark, spec copies, progress record and metadata of one store, every redundant
+    copy verified and a damaged one rewritten from its twin; raises what cannot be repaired."""
     store.require_complete()
-    if store.spec_findings:
-        repair_spec(store.segments["spec"].tensor, store.spec)
+    rewritten = store.rewrite_damaged_copies()  # spec, completion mark, progress-record copies
     meta = Metadata(store)
     verdict = check_metadata(meta, UNDO_WHOLE)
-    verdict.repaired[:0] = [f + " (rewritten)" for f in store.spec_findings]
+    verdict.repaired[:0] = rewritten
     if verdict.lost:
         raise UnrecoverableDamageError({}, [f"rank {store.spec.rank}: {what}." for what in verdict.lost])
     return meta, verdict

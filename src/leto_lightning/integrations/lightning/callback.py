@@ -86,6 +86,11 @@ class LetoLoopStateCallback(Callback):
         trainer = strategy.module.trainer
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return {}
+        if strategy.fit_state.batch_open and not batch_processed(trainer):
+            # Saved in the middle of a batch (an exception or a signal: OnExceptionCheckpoint):
+            # Lightning redoes the batch from its own loop state, and a payload is only ever a
+            # batch end or a validation end. The file resumes as a plain Lightning one.
+            return {}
         # Inside a training batch (a ModelCheckpoint save in on_train_batch_end): its step
         # metrics are not logged yet; elsewhere (validation, epoch end) they are.
         return {"payload": capture(trainer, "batch_end" if strategy.fit_state.batch_open else "validation_end")}
@@ -139,6 +144,12 @@ class LetoLoopStateCallback(Callback):
         if strategy.fit_state.phase is BatchPhase.RECORDED and strategy.committed_any:
             strategy.record_payload(capture(trainer, "validation_end"))
             self.records += 1
+
+
+def batch_processed(trainer: pl.Trainer) -> bool:
+    """Lightning has processed the training batch it started last (its step, if any, is done)."""
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker, typed as its base
+    return progress.processed >= progress.started
 
 
 def step_skipped(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

@@ -12,6 +12,11 @@ Measured constraints this follows (docs/lightning.md, notes/lightning-accelerate
 - Lightning prefetches one batch, so a counter inside the loader is one ahead of training:
   the position is what the strategy saw (``mark``, called at every batch start), never how many
   batches the loader produced.
+- A checkpoint saved inside a batch Lightning has not processed (an exception or a signal in
+  the middle of it: ``OnExceptionCheckpoint``, a save after the failed ``fit()``) makes
+  Lightning redo that batch, so the position saved then is the batches *processed*
+  (``processed``, the loop's count); a save whose batch is finished on resume (Leto's prepare
+  payload, ``resume.finish_batch``) says None there and keeps the batch.
 - The wrapper must look like the loader (``.sampler``, ``.batch_sampler``, ``len``): Lightning
   sets the sampler's epoch through them.
 
@@ -24,7 +29,7 @@ draws its seed from the global RNG and cannot be replayed; ``LetoStrategy`` warn
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,13 +40,19 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 class ResumableDataLoader:
     """Wraps a ``DataLoader``; Lightning sees a stateful loader with the same samplers."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader, processed: Callable[[], int | None] | None = None) -> None:
         self.loader = loader
+        self._processed = processed  # batches of the epoch Lightning has processed (None: count the current one)
+        self.restored = False  # load_state_dict put a saved position back (a resume from a Leto-written state)
         self._consumed = 0  # batches of the current epoch training has taken (incl. the current one)
         self._epoch_done = False  # the current batch is the epoch's last
         self._skip = 0  # batches the next iterator skips (set by load_state_dict)
         self._lazy = False  # create the inner iterator at the first next() (resume at an epoch's end)
         self._epoch_start_states: list[torch.Tensor] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``torch.save(trainer)``, ``copy.deepcopy``) holds no link to the live loop."""
+        return dict(self.__dict__, _processed=None)
 
     # -- what Lightning and user code read -------------------------------------------------
     @property
@@ -80,12 +91,17 @@ class ResumableDataLoader:
         self._consumed, self._epoch_done = consumed, epoch_done
 
     def state_dict(self) -> dict:
-        if self._epoch_done:  # resume at the next epoch: generators as they are now
-            return {"consumed": self._consumed, "epoch_done": True, "generators": self._generator_states()}
-        return {"consumed": self._consumed, "epoch_done": False,
+        consumed, epoch_done = self._consumed, self._epoch_done
+        processed = self._processed() if self._processed is not None else None
+        if processed is not None and processed < consumed:  # saved inside a batch Lightning will redo
+            consumed, epoch_done = processed, False
+        if epoch_done:  # resume at the next epoch: generators as they are now
+            return {"consumed": consumed, "epoch_done": True, "generators": self._generator_states()}
+        return {"consumed": consumed, "epoch_done": False,
                 "generators": [s.clone() for s in self._epoch_start_states]}
 
     def load_state_dict(self, state: dict) -> None:
+        self.restored = True
         self._skip = 0 if state["epoch_done"] else int(state["consumed"])
         self._lazy = bool(state["epoch_done"])
         gens = self._generators()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -22,7 +23,8 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from ...errors import UsageError
@@ -40,7 +42,7 @@ from .frozen import FrozenPayload
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
 from .plateau import restore_monitored
-from .resume import build_checkpoint, capture, set_rng_states
+from .resume import batches_processed, build_checkpoint, capture, set_rng_states
 
 _RETAINED_FIELDS = frozenset(f.name for f in dataclasses.fields(RetainedConfig))
 log = logging.getLogger(__name__)
@@ -206,10 +208,49 @@ def train_start(host: LetoHost, resumed: dict) -> None:
         set_rng_states(resumed["rng"])  # last thing before the first batch: as the crashed run
     # before "start": a fresh run's payload counts no rows yet
     host.logs.on_train_start(trainer, host.retained.iteration if host.retained is not None else None)
+    if host.fit_state.mode is FitMode.FROM_FILE:
+        say_mid_epoch_resume(host, trainer, resumed.get("kind") is not None)
     if host.retained is not None and host.retained.iteration == 0:
         record_payload(host, capture(trainer, "start"))
     if host.runtime is not None and host.runtime.resume_pending and host.retained is not None:
         host.runtime.resumed(host.retained.iteration)  # loop, RNG and data position are restored
+
+
+MID_EPOCH = "resuming from a checkpoint that ended before the epoch ended"  # Lightning's words
+
+
+def say_mid_epoch_resume(host: LetoHost, trainer: pl.Trainer, with_payload: bool) -> None:
+    """``fit(ckpt_path=<file>)`` from a file saved mid-epoch: say what the resume does.
+
+    Lightning warns ("You're resuming from a checkpoint that ended before the epoch ended ...")
+    only when a training loader is not resumable; a Leto strategy's always are
+    (``ResumableDataLoader``), so Lightning stays silent, and this says it instead: exact with
+    the file's Leto payload; the right batches but not the random state without one; and
+    Lightning's unreliable case when the file holds no loader position at all (not written by
+    a Leto fit). Lightning's condition, measured on 2.6.6 (``_TrainingEpochLoop.reset``)."""
+    loop, batches = trainer.fit_loop.epoch_loop, trainer.num_training_batches
+    if not loop.restarting or batches == float("inf"):
+        return
+    if trainer.global_step % math.ceil(batches / trainer.accumulate_grad_batches) == 0:
+        return
+    loaders = trainer.fit_loop._combined_loader.flattened if trainer.fit_loop._combined_loader is not None else []
+    if not loaders or not all(isinstance(x, ResumableDataLoader) for x in loaders):
+        return  # Lightning warns itself about a loader that is not resumable
+    where = f"{type(host).__name__} is {MID_EPOCH} (global step {trainer.global_step})"
+    if with_payload:
+        rank_zero_info(f"{where}: it continues exactly, at the next batch of the epoch and with the interrupted "
+                       "run's random state (the file carries a Leto resume payload).")
+    elif all(x.restored for x in loaders):
+        rank_zero_warn(f"{where}: the training DataLoader continues at the next batch of the epoch (the file "
+                       "holds its position), but the file carries no Leto resume payload (it was saved outside a "
+                       "Leto fit's batch ends and validation ends: inside a batch, or after fit() ended), so the "
+                       "random state (dropout, augmentation) is not the interrupted run's.",
+                       category=PossibleUserWarning)
+    else:
+        rank_zero_warn(f"{where}, and the file holds no position of the training DataLoader (it was not written "
+                       "by a Leto fit): the epoch's batches start again from its first batch while the loop "
+                       "continues mid-epoch, which can cause unreliable results, as Lightning warns for a loader "
+                       "that is not resumable. Consider an end-of-epoch checkpoint.", category=PossibleUserWarning)
 
 
 def train_batch_start(host: LetoHost, batch_idx: int) -> None:
@@ -250,13 +291,24 @@ def wrap_train_loader(host: LetoHost, dataloader: object) -> object:
     trainer = module._trainer if module is not None else None
     if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
         return dataloader
-    wrapped = ResumableDataLoader(dataloader)
+    wrapped = ResumableDataLoader(dataloader, _processed_counter(trainer))
     if wrapped.unreplayable_order():
         rank_zero_warn(f"{type(host).__name__}: the training DataLoader shuffles with an unseeded RandomSampler; a "
                        "resume mid-epoch cannot replay its order. Pass DataLoader(generator=...) or keep "
                        "use_distributed_sampler=True.")
     host.train_loaders.add(wrapped)
     return wrapped
+
+
+def _processed_counter(trainer: pl.Trainer) -> Callable[[], int | None]:
+    """``resume.batches_processed`` of ``trainer``, held weakly (the loader lives in the trainer)."""
+    ref = weakref.ref(trainer)
+
+    def processed() -> int | None:
+        live = ref()
+        return None if live is None else batches_processed(live)
+
+    return processed
 
 
 # -- resume --------------------------------------------------------------------------------

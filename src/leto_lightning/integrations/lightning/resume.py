@@ -113,6 +113,7 @@ def _has_state_hooks(module: torch.nn.Module) -> bool:
 
 
 _capturing = False
+_capturing_prepare = False
 
 
 def capturing() -> bool:
@@ -121,11 +122,30 @@ def capturing() -> bool:
     return _capturing
 
 
+def batches_processed(trainer: pl.Trainer) -> int | None:
+    """Batches of the current epoch Lightning has processed -- where it resumes from a state
+    saved now -- or None inside a ``"prepare"`` capture, whose batch ``finish_batch`` completes
+    on resume (``ResumableDataLoader`` then counts it)."""
+    if _capturing_prepare:
+        return None
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker, typed as its base
+    return int(progress.processed)
+
+
 def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
     """Everything outside retained memory that the resumed trainer needs (see module doc)."""
-    global _capturing
+    global _capturing_prepare
     if kind not in KINDS:
         raise ValueError(f"unknown payload kind {kind!r}")
+    _capturing_prepare = kind == "prepare"
+    try:
+        return _capture(trainer, kind)
+    finally:
+        _capturing_prepare = False
+
+
+def _capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
+    global _capturing
     _capturing = True
     try:
         callbacks = call._call_callbacks_state_dict(trainer)
@@ -312,6 +332,13 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> 
                 current.fill_(value)
             else:
                 group[key] = value
+
+
+def restore_callbacks(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """What Lightning's ``restore_callbacks`` does with a loaded checkpoint: every callback's
+    ``on_load_checkpoint``, then its ``load_state_dict`` with its saved state."""
+    call._call_callbacks_on_load_checkpoint(trainer, checkpoint)
+    call._call_callbacks_load_state_dict(trainer, checkpoint)
 
 
 def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dict[str, Any]:

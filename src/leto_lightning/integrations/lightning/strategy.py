@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.migration import migrate_checkpoint
 from typing_extensions import override
 
 from ...errors import UsageError
@@ -69,7 +70,7 @@ from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT
 from .proxy import proxy_for, real_optimizer
-from .resume import apply_param_groups
+from .resume import apply_param_groups, restore_callbacks
 from .versions import check_lightning
 from .zero1 import after_adopt, before_free, retained_for, stepped_optimizer, store_layout, zero1_partition
 
@@ -187,6 +188,17 @@ class LetoStrategy(DDPStrategy):
             check_trainer(self, trainer)
             install_loop_state(self, trainer)
         super().setup(trainer)
+        self._restore_file_callbacks(trainer)
+
+    def _restore_file_callbacks(self, trainer: pl.Trainer) -> None:
+        """``fit(ckpt_path=<file>)``: the callbacks' state from the file now, before
+        ``on_fit_start``, where "ddp" restores it (``restore_checkpoint_after_setup`` is False
+        there); the rest of the restore follows after setup (``load_checkpoint``), once."""
+        ckpt = self._file_checkpoint
+        if ckpt is None or "callbacks" not in ckpt:
+            return
+        restore_callbacks(trainer, ckpt)
+        ckpt["leto_callbacks_restored"] = True
 
     @override
     def configure_ddp(self) -> None:
@@ -277,6 +289,7 @@ class LetoStrategy(DDPStrategy):
         if path is None:
             return 0, None
         ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # type: ignore[arg-type]  # a str or Path  # tensors and plain values only
+        ckpt, _ = migrate_checkpoint(ckpt)  # as Lightning upgrades a file it loads (callback keys, loops)
         if len(ckpt.get("optimizer_states", ())) != 1:
             raise ValueError(f"{path}: LetoStrategy resumes a checkpoint of exactly one optimizer")
         self.module.load_state_dict(ckpt["state_dict"], strict=self.module.strict_loading)
@@ -354,9 +367,11 @@ class LetoStrategy(DDPStrategy):
         ckpt_file = self._file_checkpoint
         if ckpt_file is not None and str(checkpoint_path) == ckpt_file["leto_file"]:
             self._file_checkpoint = None  # weights and optimizer state are in retained memory already
-            if self.resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
-                return ckpt_file
-            return payload_checkpoint(self)
+            # without a Leto payload: Lightning's own restore
+            ckpt = ckpt_file if self.resume_payload is None else payload_checkpoint(self)
+            if ckpt_file.get("leto_callbacks_restored"):
+                ckpt.pop("callbacks", None)  # restored before on_fit_start (_restore_file_callbacks)
+            return ckpt
         if str(checkpoint_path) != RETAINED_CKPT:
             return super().load_checkpoint(checkpoint_path, weights_only)
         check_retained_resume(self)
