@@ -81,6 +81,9 @@ def test_the_fallback_takes_the_newest_checkpoint_every_rank_recorded(tmp_path) 
     from leto_lightning.integrations.accelerate import fallback
     from leto_lightning.runtime.contract import RESUME, ResumeMode
 
+    for step in (4, 8):  # remember() is called once a checkpoint's files are written
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "model.safetensors").write_bytes(b"weights")
     fallback.remember(str(tmp_path), 0, 4, str(tmp_path / "step_4"))
     fallback.remember(str(tmp_path), 0, 8, str(tmp_path / "step_8"))
     fallback.remember(str(tmp_path), 1, 4, str(tmp_path / "step_4"))

@@ -157,7 +157,9 @@ def test_failure_budget_stops_cleanly(tmp_path):
     (stopped,) = result.of("job_stopped")
     assert "exceed the budget of 1" in stopped["reason"] and "checkpoint" in stopped["reason"]
     assert "job stopped" in result.output
-    assert (tmp_path / "checkpoints" / "rank0.pt").exists()  # the last checkpoint is intact
+    # the last committed checkpoint is intact: every rank's file and the job-wide mark
+    committed = sorted((tmp_path / "checkpoints").glob("it*/COMMITTED"))
+    assert committed and (committed[-1].parent / "rank0.pt").exists(), list((tmp_path / "checkpoints").rglob("*"))
 
 
 def test_sigterm_stops_everything_and_frees_memory(tmp_path):

@@ -131,7 +131,7 @@ def attacked(tmp_path_factory):
         evil.set("promote/0-0", json.dumps({"generation": 0}))  # shadows would train beside the actives
         seen["second"] = (second.communicate(timeout=120)[0], second.returncode)
         _replay_a_heartbeat(evil, run_dir)
-        del evil
+
         seen["result"] = finish(proc, run_dir)
     finally:
         stop(proc)
@@ -153,7 +153,10 @@ def _replay_a_heartbeat(evil: dist.TCPStore, run_dir) -> None:
         old = evil.get("hb/0")
         wait_for(lambda old=old: evil.get("hb/0") not in (old, b""), 120, "a newer heartbeat")
         newer = evil.get("hb/0")
-        writer = json.loads(newer.split(b".", 3)[3])["pid"]  # the value after the signature
+        beat = newer.split(b".", 3)[3]  # the value after the signature
+        if not beat:  # the agent's reset of a new trainer's heartbeat: wait for the trainer's own
+            continue
+        writer = json.loads(beat)["pid"]
         try:
             os.kill(writer, signal.SIGSTOP)
             break
@@ -374,3 +377,79 @@ def test_a_planted_checkpoint_is_not_run_on_a_restart(tmp_path):
     assert not marker.exists()
     (stopped,) = result.of("job_stopped")
     assert result.returncode == 3 and "UnsafeCheckpoint" in stopped["reason"], stopped
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _wait_started(run_dir) -> dict:
+    wait_for(lambda: any(e["event"] == "job_started" for e in read_events(run_dir)), 120, "job_started")
+    return next(e for e in read_events(run_dir) if e["event"] == "job_started")
+
+
+def test_a_deleted_key_and_a_flood_of_forged_values_change_nothing(tmp_path, reference):
+    """Another local user deletes ``shadows/ready`` again and again and writes 200 distinct 7 MB
+    forged values there, while a real SIGKILL forces a recovery: the agent never blocks on the key
+    (a ``control_key_missing`` event, the loop goes on), keeps none of the values (its resident
+    memory stays within 150 MiB of what it was), and the job ends bit-identical."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, ITERATIONS, faults=[FAULT], script_args=["--sleep", "0.3"])
+    try:
+        started = _wait_started(run_dir)
+        evil, agent = _client(started["port"]), started["pid"]
+        wait_for(lambda: evil.check(["shadows/ready"]), 60, "the agent's shadows/ready key")
+        before = _rss_mib(agent)
+        evil.delete_key("shadows/ready")
+        wait_for(lambda: any(e["event"] == "control_key_missing" for e in read_events(run_dir)), 30,
+                 "the missing key on record")
+        peak = before
+        for n in range(200):
+            evil.set("shadows/ready", os.urandom(8).hex().encode() + b"." * (7 << 20))
+            if n % 20 == 0:
+                evil.delete_key("shadows/ready")
+                peak = max(peak, _rss_mib(agent))
+        time.sleep(1.0)
+        peak = max(peak, _rss_mib(agent))
+
+        result = finish(proc, run_dir)
+    finally:
+        stop(proc)
+    assert result.returncode == 0, result.output[-3000:]
+    assert peak - before < 150, (before, peak)
+    assert any(e["key"] == "shadows/ready" for e in result.of("control_key_missing"))
+    assert any(e["reason"].startswith("oversize") for e in result.of("control_message_rejected"))
+    assert [e["promoted"] for e in result.of("recovery_finished") if not e.get("interrupted")] == ["shadow"]
+    for rank in (0, 1):
+        assert same_state(result.final(rank), reference.final(rank)) == []
+
+
+def test_sigterm_wins_while_a_control_key_is_withheld(tmp_path):
+    """The key the agent reads every poll is deleted as fast as the agent writes it back; a
+    SIGTERM to the launcher still stops the job, every process ended, well before any store
+    timeout (60 s) could have freed the agent."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, 400, script_args=["--sleep", "0.2"])
+    try:
+        started = _wait_started(run_dir)
+        evil = _client(started["port"])
+        wait_for(lambda: os.path.exists(run_dir / "loss_rank0.jsonl"), 120, "training to start")
+        for _ in range(50):
+            evil.delete_key("shadows/ready")
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        while proc.poll() is None and time.monotonic() - t0 < 60:
+            try:
+                evil.delete_key("shadows/ready")
+            except dist.DistNetworkError:  # the agent closed the job's store: it is stopping
+                pass
+            time.sleep(0.02)
+        elapsed = time.monotonic() - t0
+
+        result = finish(proc, run_dir)
+    finally:
+        stop(proc)
+    assert elapsed < 30, elapsed  # blocked on the key, it would wait out the 60 s store timeout
+    assert result.returncode == 128 + signal.SIGTERM and result.of("job_interrupted")

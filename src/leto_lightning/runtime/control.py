@@ -183,6 +183,12 @@ class SignedStore:
     def check(self, keys: Iterable[str]) -> bool:
         return all(self._current(k) is not None for k in keys)
 
+    def read(self, key: str) -> bytes | None:
+        """The authentic value under ``key`` now, or None (unset, deleted, or only forged values):
+        never waits. What the agent reads with: a key another process deletes or withholds must
+        not stop its detection loop (``get`` waits up to the store's timeout for it)."""
+        return self._current(key)
+
     def get(self, key: str) -> bytes:
         """Like ``Store.get``: waits (up to the store's timeout) until ``key`` has an authentic value."""
         value = self._current(key)

@@ -93,8 +93,11 @@ class NodeLockstep:
         gen, nodes = self.job.generation, range(self.spec.nnodes)
         self.store.set(NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(value))
         names = [NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
-        self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
-        return [json.loads(self.store.get(k)) for k in names]
+        while True:
+            self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
+            values = [self.store.read(k) for k in names]
+            if all(v is not None for v in values):  # else one vanished after the check: wait again
+                return [json.loads(v) for v in values if v is not None]
 
     def shared_job_id(self, mine: str) -> str:
         """Per-rank agents agree on one retained-memory job id per start (first writer wins):

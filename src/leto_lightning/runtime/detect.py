@@ -86,7 +86,8 @@ class Detector:
         """What is known about trainer ``p``'s failure: its last heartbeat, its reported exception."""
         hb = self.last_heartbeat(p.rank)
         key = EXCEPTION.format(pid=p.pid)
-        exc = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+        said = self.store.read(key)
+        exc = said.decode(errors="replace") if said is not None else None
         return Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
                        iteration=hb.it if hb else None, phase=hb.phase if hb else None,
                        last_heartbeat=hb.t if hb else None, hang=hang, exit_code=exit_code, signal=signal)
@@ -96,19 +97,30 @@ class Detector:
         if self.spec.nnodes == 1:
             return None
         key = FAILURE.format(gen=self.job.generation)
-        if not self.store.check([key]):
+        published = self.store.read(key)
+        if published is None:
             return None
-        verdict = Verdict.from_json(self.store.get(key))
+        verdict = Verdict.from_json(published)
         if verdict.node == self.spec.node_rank:
             return None
         return Failure(rank=verdict.rank, pid=None, role="remote", detected_at=time.time(),
                        exception=f"on node {verdict.node}: {verdict.reason}", remote_verdict=verdict)
 
     def last_heartbeat(self, rank: int) -> Heartbeat | None:
-        return Heartbeat.from_json(self.store.get(HEARTBEAT.format(rank=rank)))
+        return Heartbeat.from_json(self._heartbeat(rank))
+
+    def _heartbeat(self, rank: int) -> bytes:
+        """The rank's heartbeat value; a deleted key counts as no new beat (the hang timer runs)
+        and is put on record."""
+        raw = self.store.read(HEARTBEAT.format(rank=rank))
+        if raw is None:
+            self.trainers.control_key_missing(HEARTBEAT.format(rank=rank))
+            seen = self.trainers.heartbeats.get(rank)
+            return seen[0] if seen is not None else b""
+        return raw
 
     def _hung(self, p: TrainerProcess, now: float) -> bool:
-        raw = self.store.get(HEARTBEAT.format(rank=p.rank))
+        raw = self._heartbeat(p.rank)
         seen = self.trainers.heartbeats.get(p.rank)
         if seen is None or seen[0] != raw:
             self.trainers.heartbeats[p.rank] = (raw, now)

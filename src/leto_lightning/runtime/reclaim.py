@@ -193,7 +193,7 @@ class ShadowReclaimer:
         self._report_budget(sample)
         if not self.config.enabled or self._busy():
             return  # a recovery in progress owns the shadow set
-        if t.shadows and self.store.get(SHADOWS_READY).decode() == t.shadow_set:
+        if t.shadows and (self.store.read(SHADOWS_READY) or b"").decode() == t.shadow_set:
             self.policy.observe_shadow(self.level, sum(sample.processes.get(p.pid, 0) for p in t.shadows.values()))
         change = self.policy.decide(sample, now)
         if change is not None:

@@ -246,9 +246,9 @@ class Recovery:
         infos: dict[int, ResumeInfo] = {}
         while pending:
             for r in list(pending):
-                key = RESUMED.format(gen=self.job.generation, rank=r)
-                if self.store.check([key]):
-                    infos[r] = ResumeInfo.from_json(self.store.get(key))
+                resumed = self.store.read(RESUMED.format(gen=self.job.generation, rank=r))
+                if resumed is not None:
+                    infos[r] = ResumeInfo.from_json(resumed)
                     pending.discard(r)
             failure = self.detector.detect()
             if failure is not None:
@@ -273,10 +273,10 @@ class Recovery:
         if rec is None:
             return
         gen = self.job.generation
-        done = [FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
-        if not self.store.check(done):
+        done = [self.store.read(FIRST_DONE.format(gen=gen, rank=r)) for r in self.trainers.actives]
+        if any(d is None for d in done):
             return
-        now = max(FirstDone.from_json(self.store.get(k)).t for k in done)
+        now = max(FirstDone.from_json(d).t for d in done if d is not None)
         first = now - rec.t_resumed
         breakdown = rec.timing.rounded()
         breakdown["recompute"] = round(first if rec.recomputes else 0.0, 4)
@@ -299,12 +299,12 @@ class Recovery:
         job must now compute again (those after the checkpoint up to the failed one)."""
         assert self._restart is not None
         gen = self.job.generation
-        done = [FIRST_DONE.format(gen=gen, rank=r) for r in self.trainers.actives]
-        if not done or not self.store.check(done):
+        done = [self.store.read(FIRST_DONE.format(gen=gen, rank=r)) for r in self.trainers.actives]
+        if not done or any(d is None for d in done):
             return
         t_fail, failed = self._restart
         self._restart = None
-        firsts = [FirstDone.from_json(self.store.get(k)) for k in done]
+        firsts = [FirstDone.from_json(d) for d in done if d is not None]
         first = min(f.it for f in firsts)
         now = max(f.t for f in firsts)
         self.events.emit("checkpoint_restart_finished", gen, total_s=round(now - t_fail, 4), failed_iteration=failed,

@@ -39,6 +39,7 @@ class Trainers:
         self.replacements_seen = 0
         self.heartbeats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it changed)
         self.cuda_manager: Callable[[int], str] = lambda local_rank: ""  # the agent's state managers
+        self._missing_reported: set[tuple[str, int]] = set()
 
     @property
     def shadow_level(self) -> int:
@@ -101,11 +102,24 @@ class Trainers:
     # -- shadows ---------------------------------------------------------------------------------
     def publish_shadow_readiness(self) -> None:
         ranks = range(self.spec.world_size)  # a shadow set is one process group across all nodes
-        if self.shadows and not self.store.get(SHADOWS_READY) and all(
+        published = self.store.read(SHADOWS_READY)
+        if published is None:  # the agent wrote it: someone deleted it (or overwrote it with a forgery)
+            self.control_key_missing(SHADOWS_READY)
+            self.store.set(SHADOWS_READY, "")
+            published = b""
+        if self.shadows and not published and all(
                 self.store.check([SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
             self.store.set(SHADOWS_READY, str(self.shadow_set))
             self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set,
                              level=self.shadow_level, reason="ready")
+
+    def control_key_missing(self, key: str) -> None:
+        """A key the job relies on vanished from its store: a fault of the control plane, on record
+        (once per key and generation); the caller carries on without blocking on it."""
+        mark = (key, self.job.generation)
+        if mark not in self._missing_reported:
+            self._missing_reported.add(mark)
+            self.events.emit("control_key_missing", self.job.generation, key=key)
 
     def shadows_promotable(self) -> bool:
         """This node's shadow set is alive, not stopped and ready (a stopped (SIGSTOP) shadow
