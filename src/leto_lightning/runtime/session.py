@@ -55,7 +55,7 @@ from .keys import (
     STORE_READY,
 )
 from .messages import Heartbeat, Promotion, ResumeInfo
-from .storage import atomic_torch_save
+from .storage import atomic_torch_save, open_run_dir_file, run_dir_path
 
 
 @dataclass
@@ -291,13 +291,12 @@ class Session:
 
     def save_checkpoint(self, state: dict) -> str:
         """Atomically write this rank's checkpoint (the slow path's restart point)."""
-        path = self.checkpoint_path()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        path = run_dir_path(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")  # no link on the way
         return atomic_torch_save(state, path)  # a full disk raises StorageError, leaves no partial file
 
     def load_checkpoint(self) -> dict | None:
-        path = self.checkpoint_path()
-        return load_checkpoint_file(path) if os.path.exists(path) else None
+        path = run_dir_path(self.env.run_dir, "checkpoints", f"rank{self.rank}.pt")
+        return load_checkpoint_file(path) if os.path.lexists(path) else None
 
 
 class ProtectedTraining:
@@ -391,7 +390,8 @@ def load_checkpoint_file(path: str) -> dict:
     import pickle
 
     try:
-        return torch.load(path, weights_only=True)
+        with os.fdopen(open_run_dir_file(path, os.O_RDONLY), "rb") as f:  # a link in its place: refused
+            return torch.load(f, weights_only=True)
     except pickle.UnpicklingError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]  # torch's middle line names what it refused
         why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), type(exc).__name__)
@@ -409,7 +409,7 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
         record = {"time": time.time(), "event": "control_message_rejected", "generation": env.generation,
                   "key": key, "reason": reason, "reader": f"rank {env.rank} {env.role}", "pid": os.getpid()}
         try:
-            fd = os.open(events_path, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:
