@@ -35,7 +35,7 @@ from .storage import PlantedLinkError, open_run_dir_file, run_dir_path
 LOCK_FILE = "agent.lock"
 DEFAULT_MODE = 0o700
 # What Leto itself reads and writes in a run dir (agent.node<n>.lock too): never a link.
-LETO_ENTRIES = ("events.jsonl", "checkpoints", "agents", "job.secret", "recipe.yaml", LOCK_FILE)
+LETO_ENTRIES = ("events.jsonl", "checkpoints", "agents", "accelerate", "job.secret", "recipe.yaml", LOCK_FILE)
 logger = logging.getLogger(__name__)
 
 
