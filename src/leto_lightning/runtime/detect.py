@@ -65,8 +65,9 @@ class Detector:
             if p.poll() not in (None, 0) and not self.completed(p):
                 exit_code, sig = p.exit_status()
                 exited.append(self.failure(p, exit_code=exit_code, signal=sig))
-        if exited:  # its peers die of it in their collectives: blame the cause when it is clear
-            return min(exited, key=lambda f: not stops_the_job(f, self.config))
+        if exited:  # its peers die of it in their collectives: blame the likeliest cause (a failure no
+            # restart fixes, then a signal death rather than a peer's "connection closed"), else the first rank
+            return min(exited, key=lambda f: (not stops_the_job(f, self.config), f.signal is None))
         hung = [p for p in actives.values() if p.poll() is None and self._hung(p, now)]
         if hung:
             p = min(hung, key=lambda p: (not stopped(p.pid), self._beat_time(p.rank)))

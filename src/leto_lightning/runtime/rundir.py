@@ -149,7 +149,8 @@ def claim(run_dir: str, mode: int = DEFAULT_MODE, lock_dir: str | None = None, n
 
 def check_entries(run_dir: str) -> None:
     """Refuse what a job must not trust in ``run_dir`` (without following any link): an entry that
-    belongs to another user anywhere in its tree, a link in place of one of ``LETO_ENTRIES``."""
+    belongs to another user anywhere in its tree (root's are trusted: root can do anything
+    anyway), a link in place of one of ``LETO_ENTRIES``."""
     me = os.geteuid()
     for top, dirs, files in os.walk(run_dir, onerror=lambda _exc: None):  # links are listed, not followed
         for name in dirs + files:
@@ -160,7 +161,7 @@ def check_entries(run_dir: str) -> None:
                 continue
             if top == run_dir and stat.S_ISLNK(st.st_mode) and (name in LETO_ENTRIES or name.endswith(".lock")):
                 run_dir_path(run_dir, name)  # raises, naming the link and the fix
-            if st.st_uid != me:
+            if st.st_uid not in (me, 0):
                 raise PlantedLinkError(
                     f"{path} in the run dir belongs to uid {st.st_uid}, not to you (uid {me}): whoever owns it can "
                     "change what the job reads or writes -- remove it, or pick another --run-dir")
