@@ -70,7 +70,7 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     from .models.config import load_recipe
     from .runtime.agent import Agent, LaunchSpec
     from .runtime.config import RuntimeConfig
-    from .runtime.storage import usable_run_dir
+    from .runtime.storage import atomic_write, run_dir_path, usable_run_dir
 
     recipe = _load(load_recipe, recipe_name, overrides)
     par = recipe.active.parallelism
@@ -84,8 +84,8 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
                                  "--trainer lightning (the default), or drop it for --trainer accelerate")
     run_dir = run_dir or os.path.join("leto-runs", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     usable_run_dir(run_dir)
-    resolved = os.path.join(run_dir, "recipe.yaml")
-    OmegaConf.save(OmegaConf.structured(recipe), resolved)
+    resolved = run_dir_path(run_dir, "recipe.yaml")  # a link in its place is refused, never written through
+    atomic_write(resolved, lambda tmp: OmegaConf.save(OmegaConf.structured(recipe), tmp), mode=0o600)
     faults = hof_faults(recipe.faults.hof_every, str(recipe.faults.hof_phase.value), recipe.trainer.max_steps,
                         par.dp, recipe.faults.seed)
     script, script_args = (ACCELERATE_TRAIN, ["--recipe", resolved]) if trainer == "accelerate" else (RECIPE_TRAIN,

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from leto_lightning.runtime.classify import DeviceHealth, Failure, classify, device_health
+from leto_lightning.runtime.classify import DeviceHealth, Failure, classify, device_health, printed_exception
 from leto_lightning.runtime.config import ClassificationRule, RuntimeConfig
 
 OK = DeviceHealth(True, "test: operable")
@@ -66,3 +66,39 @@ def test_xids_decide_whether_the_device_is_operable():
     monitor = XidMonitor.start()  # this machine: no NVIDIA driver (or no NVML): nothing to drain
     assert monitor.drain() == {}
     monitor.close()
+
+
+def test_startup_failures_are_told_apart_by_kind_not_text():
+    """Issue 25 item 9: a pid or a time in the message does not make another failure; a signal
+    is a kind of its own; a SIGKILL (OOM killer, operator, injected fault) and a hang say
+    nothing about the script."""
+    first = Failure(0, 101, exit_code=1, exception="RuntimeError: data server refused (pid 101, t=1714.2)")
+    again = Failure(0, 202, exit_code=1, exception="RuntimeError: data server refused (pid 202, t=1719.8)")
+    other = Failure(0, 303, exit_code=1, exception="ValueError: data server refused (pid 303)")
+    assert first.kind() == again.kind() == "RuntimeError" != other.kind()
+    assert Failure(0, 1, signal=signal.SIGSEGV).kind() == "SIGSEGV"
+    assert Failure(0, 1, signal=signal.SIGBUS).kind() == "SIGBUS"
+    assert Failure(0, 1, exit_code=2).kind() == "exit code 2"  # argparse: no exception reported
+    assert Failure(0, 1, signal=signal.SIGKILL).kind() is None
+    assert Failure(0, 1, hang=True).kind() is None
+    assert Failure(0, None, exception="on node 1: trainer killed").kind() is None  # another node's
+
+
+@pytest.mark.parametrize("line,printed", [
+    ("RuntimeError: boom (pid 7)", "RuntimeError"),
+    ("torch.distributed.DistBackendError: NCCL error", "DistBackendError"),
+    ("ModuleNotFoundError: No module named 'nope'", "ModuleNotFoundError"),
+    ("KeyboardInterrupt", "KeyboardInterrupt"),
+    ("[rank0] iteration 5: loss 2.31", None),
+    ("usage: train.py [-h]  train.py: error: argument --dim: invalid int value", None),
+])
+def test_the_last_line_of_a_traceback_names_the_exception(line, printed):
+    found = printed_exception(line)
+    assert (Failure(0, 1, exit_code=1, exception=found).exception_type if found else None) == printed
+
+
+def test_environment_errors_of_a_trainer_stop_the_job():
+    """A too small /dev/shm, a link planted in the run dir: every restart would meet them again."""
+    for name in ("SharedMemoryCapacityError", "PlantedLinkError"):
+        verdict = classify(Failure(0, 1, exit_code=1, exception=f"{name}: ..."), RuntimeConfig(), OK)
+        assert verdict.stop and not verdict.hof, verdict

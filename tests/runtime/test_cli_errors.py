@@ -58,6 +58,8 @@ def test_launch_inputs_refused_before_anything_starts(leto, tmp_path):
         (["--nproc-per-node", "64"], "64", "cores"),
         (["--run-dir", str(a_file)], str(a_file), "--run-dir"),
         (["--run-dir", str(a_file / "below")], "below", "--run-dir"),
+        (["--run-dir-mode", "0777"], "'0777'", "others write", "0700"),  # issue 25 item 7
+        (["--run-dir-mode", "0770"], "'0770'", "others write", "0700"),
     ]
     try:
         for extra, *needles in cases:

@@ -1,20 +1,34 @@
-"""`leto launch` under abuse (issue 15 items 2, 3, 4, 10, 11, 12): real processes and signals,
-gloo on CPU, 2 ranks."""
+"""`leto launch` under abuse (issue 15 items 2, 3, 4, 10, 11, 12; issue 25 items 8, 9, 10): real
+processes and signals, gloo on CPU, 2 ranks."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
+import torch
 
-from leto_lightning.retained.shm import list_segments
+from leto_lightning.retained.config import RetainedConfig
+from leto_lightning.retained.shm import (
+    SharedMemoryCapacityError,
+    SharedSegment,
+    list_segments,
+    new_job_id,
+    segment_name,
+    shm_free_bytes,
+    unlink_segments,
+)
+from leto_lightning.retained.spec import StoreSpec
+from leto_lightning.retained.store import RetainedStore
 from leto_lightning.runtime.events import EventLog, iter_events, read_events
 from leto_lightning.runtime.storage import StorageError
+from leto_lightning.updater.retained_optimizer import layout_for
 
 from .harness import finish, launch_args, stop, wait_for
 
@@ -181,3 +195,109 @@ def test_event_log_on_a_full_disk_is_never_torn(tmp_path):
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "events.jsonl").write_text('{"event": "a", "generation": 0, "time": 1}\n{"event": "b", "ge')
     assert [e["event"] for e in read_events(tmp_path / "torn")] == ["a"]
+
+
+# -- issue 25 items 8, 9, 10: start-up failures said once, by kind, with their time ----------------
+
+def _private_shm(size: str) -> list[str] | None:
+    """A command prefix that runs its command with a ``size`` tmpfs of its own on /dev/shm (a
+    private mount namespace: nothing else on the machine sees it, it goes with the command), or
+    None where this machine cannot make one."""
+    if shutil.which("unshare") is None:
+        return None
+    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]  # else a user namespace maps us to its root
+    probe = subprocess.run(["unshare", *flags, "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /dev/shm"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def test_a_too_small_dev_shm_stops_the_job_once_at_start(tmp_path):
+    """/dev/shm of 3 MiB, two ranks whose stores need about 3.1 MiB together: without the check
+    every start dies by SIGBUS at its first write (and restarts until the budget is spent). With
+    it: the first trainer that cannot get its store says so, and the job stops, in one line."""
+    prefix = _private_shm("3M")
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare): the check is tested against the real /dev/shm below")
+    proc = subprocess.Popen(prefix + launch_args(tmp_path, ITERATIONS, extra=[*NO_SHADOWS, "--max-failures", "3"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = finish(proc, tmp_path, timeout=240)
+    assert result.returncode == 3, result.output[-3000:]
+    (detected,) = result.of("failure_detected")
+    assert detected["exception"].startswith("SharedMemoryCapacityError: /dev/shm has"), detected
+    (stopped,) = result.of("job_stopped")
+    assert "MiB free" in stopped["reason"] and "--shm-size" in stopped["reason"], stopped
+    assert not result.of("fallback_checkpoint") and not result.of("recovery_started")
+    said = [line for line in result.output.splitlines() if line.startswith("[leto]") and "job stopped" in line]
+    assert len(said) == 1 and "/dev/shm has" in said[0], result.output[-3000:]
+
+
+def test_a_store_larger_than_free_dev_shm_is_refused_before_allocating():
+    """The real /dev/shm, a store larger than its free space (``os.statvfs``): refused before a
+    byte is allocated. The model is on the meta device: only its layout is needed."""
+    free = shm_free_bytes()
+    params = [torch.nn.Parameter(torch.empty(free // 8, device="meta"))]  # AdamW: 4 regions x 4 B per element
+    config = RetainedConfig().for_device("cpu")
+    spec = StoreSpec(new_job_id(), 0, 0, 0, 1, layout_for(torch.optim.AdamW(params), config), config)
+    try:
+        with pytest.raises(SharedMemoryCapacityError, match=r"/dev/shm has .* MiB free, rank 0's retained store "
+                                                            r"needs .* MiB: enlarge it"):
+            RetainedStore.create(spec)
+        assert list_segments(segment_name(spec.job_id, "")) == []
+        name = segment_name(spec.job_id, "r0", "data")
+        with pytest.raises(SharedMemoryCapacityError, match=f"segment {name} needs"):
+            SharedSegment.create(name, free + (1 << 30))
+        assert list_segments(segment_name(spec.job_id, "")) == []
+    finally:
+        unlink_segments(spec.job_id)
+
+
+STARTUP_FAILURES = {
+    # the message holds a pid and a time: never the same text twice
+    "exception": ("import os, time\nraise RuntimeError(f'data server refused pid {os.getpid()} at {time.time()}')\n",
+                  "RuntimeError"),
+    "sigsegv": ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "SIGSEGV"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STARTUP_FAILURES))
+def test_the_same_kind_of_failure_twice_at_startup_stops_the_job(tmp_path, case):
+    """Told apart by kind (signal, exception type), not by text; the reason names the last
+    exception (the second trainer's pid)."""
+    source, kind = STARTUP_FAILURES[case]
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launch_args(run_dir, ITERATIONS, nproc=1, script=str(script),
+                                        extra=[*NO_SHADOWS, "--max-failures", "5"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = finish(proc, run_dir, timeout=240)
+    assert result.returncode == 3, result.output[-3000:]
+    detected = result.of("failure_detected")
+    assert len(detected) == 2, [e["event"] for e in result.events]
+    (stopped,) = result.of("job_stopped")
+    assert stopped["reason"].startswith(f"configuration error: the trainer failed the same way ({kind}) at start-up "
+                                        "twice"), stopped
+    if case == "exception":
+        assert f"RuntimeError: data server refused pid {detected[1]['pid']} at" in stopped["reason"], stopped
+        assert all(e["exception"].startswith("RuntimeError: data server refused") for e in detected), detected
+
+
+def test_a_hang_at_startup_is_reported_as_detection_time(tmp_path):
+    """A cold-started trainer stops (SIGSTOP) before it resumes: the agent detects the hang after
+    --startup-timeout and recovers again. That recovery's breakdown counts the whole wait as
+    ``detect`` (it was 0.05 s: since the last poll)."""
+    timeout = 30.0
+    faults = [{"id": 0, "rank": 1, "iteration": 3, "point": "compute.begin"},
+              {"id": 1, "rank": 0, "point": "promotion.resume", "generation": 1, "signal": int(signal.SIGSTOP)}]
+    proc = subprocess.Popen(launch_args(tmp_path, ITERATIONS, faults=faults,
+                                        extra=[*NO_SHADOWS, "--startup-timeout", str(timeout)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = finish(proc, tmp_path, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    hang = [e for e in result.of("failure_detected") if e["hang"]]
+    assert [(e["rank"], e["generation"]) for e in hang] == [(0, 1)], result.of("failure_detected")
+    (done,) = [e for e in result.of("recovery_finished") if not e.get("interrupted")]
+    assert done["generation"] == 2 and done["breakdown"]["detect"] > timeout, done
+    _check_breakdowns(result)

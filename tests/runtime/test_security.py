@@ -1,5 +1,6 @@
 """Issue 15 items 1, 5, 6, 7: one job per run dir, an authenticated control plane on loopback,
-checkpoints loaded without unpickling code, a run dir only its owner can read.
+checkpoints loaded without unpickling code, a run dir only its owner can read. Issue 25 items 6
+and 7: no link in the run dir is followed, no mode lets others write it, every file is 0600.
 
 One launched job (``attacked``) is shared by several assertions: a client without the secret
 forges "finished" and "promote" keys, copies a valid message under another key and replays an
@@ -23,11 +24,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from leto_lightning.errors import LetoTimeoutError
+from leto_lightning import cli
+from leto_lightning.errors import ConfigurationError, LetoTimeoutError
+from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.runtime import auth, rundir
 from leto_lightning.runtime.control import SignedStore, host_store
-from leto_lightning.runtime.events import read_events
+from leto_lightning.runtime.events import EventLog, read_events
 from leto_lightning.runtime.session import UnsafeCheckpoint, load_checkpoint_file
+from leto_lightning.runtime.storage import PlantedLinkError, atomic_torch_save, run_dir_path
 
 from .harness import finish, launch_args, run, same_state, start, stop, wait_for
 
@@ -270,6 +274,113 @@ def test_run_dir_mode_is_what_the_user_asks(tmp_path):
         claim.release()
     with pytest.raises(ValueError, match="owner needs rwx"):
         rundir.parse_mode("0500")
+
+
+@pytest.mark.parametrize("text", ["0777", "0770", "0730", "0702", "0757"])
+def test_a_mode_that_lets_others_write_is_refused(tmp_path, text):
+    """Issue 25 item 7: 0777 gave a 777 run dir and 666 files. Refused, naming the value and the fix,
+    by the command line and by ``claim`` (a mode given in code), before anything is created."""
+    with pytest.raises(ConfigurationError, match=f"--run-dir-mode '{text}' lets the group or others write .* use 0700"):
+        rundir.parse_mode(text)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    with pytest.raises(ConfigurationError, match=f"'{text}' lets the group or others write"):
+        rundir.claim(str(tmp_path / "run"), int(text, 8))
+    assert not (tmp_path / "run").exists()
+    assert os.umask(umask) == umask  # left as it was
+
+
+def test_every_file_of_leto_train_is_the_owners_alone(tmp_path):
+    """Issue 25 item 7: ``recipe.yaml`` was written 0644 (before the agent narrowed the umask).
+    Under a login umask of 022, every file the agent and ``leto train`` write is 0600."""
+    from leto_lightning.train import build_agent
+
+    umask = os.umask(0o022)
+    try:
+        agent = build_agent("olmoe", ["size=tiny"], str(tmp_path / "run"))
+        try:
+            files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "run") for f in fs]
+            modes = {os.path.basename(f): oct(stat.S_IMODE(os.stat(f).st_mode)) for f in files}
+        finally:
+            agent.events.close()
+            agent.run_dir_claim.release()
+    finally:
+        os.umask(umask)
+    assert {"recipe.yaml", "events.jsonl", rundir.LOCK_FILE} <= set(modes), modes
+    assert set(modes.values()) == {"0o600"}, modes
+
+
+def _launch_refused(capsys, run_dir) -> str:
+    """``leto launch`` into ``run_dir`` in this interpreter: the one line it printed (it must not
+    start: a job that did would run one iteration and fail the caller's assertions)."""
+    code = cli.main(["launch", "--run-dir", str(run_dir), "--nproc-per-node", "1", "--no-shadows", PLAIN_DDP,
+                     "--iterations", "1"])
+    out = capsys.readouterr()
+    lines = [line for line in (out.err + out.out).splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in lines[0], (code, lines)
+    return lines[0]
+
+
+def test_links_planted_in_the_run_dir_are_refused_not_followed(tmp_path, capsys):
+    """Issue 25 item 6: the agent appended its events to a file outside the run dir, checkpoints
+    were written through a linked directory. Now the launch is refused in one line naming the link
+    and the fix, and nothing is written where the links point."""
+    victim, elsewhere = tmp_path / "victim.txt", tmp_path / "elsewhere"
+    victim.write_text("mine\n")
+    elsewhere.mkdir()
+    for name, target in (("events.jsonl", victim), ("checkpoints", elsewhere), (rundir.LOCK_FILE, victim)):
+        run_dir = tmp_path / f"run-{name}"
+        run_dir.mkdir(mode=0o700)
+        (run_dir / name).symlink_to(target)
+        line = _launch_refused(capsys, run_dir)
+        assert f"{run_dir / name} is a symbolic link (to {target})" in line and f"rm {run_dir / name}" in line, line
+    assert victim.read_text() == "mine\n" and os.listdir(elsewhere) == []
+
+
+def test_the_files_trainers_write_are_never_written_or_read_through_a_link(tmp_path):
+    """What ``Session.save_checkpoint`` / ``load_checkpoint`` and the event log do, with links
+    planted after the launch: a linked directory on the way, a link at the temporary file's
+    (predictable) name, a link or a hard link in place of the file itself."""
+    run, victim, elsewhere = tmp_path / "run", tmp_path / "victim.pt", tmp_path / "elsewhere"
+    run.mkdir(mode=0o700)
+    elsewhere.mkdir()
+    victim.write_bytes(b"mine")
+    (run / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(PlantedLinkError, match="checkpoints is a symbolic link"):
+        run_dir_path(str(run), "checkpoints", "rank0.pt")
+    (run / "checkpoints").unlink()
+    path = run_dir_path(str(run), "checkpoints", "rank0.pt")  # creates the directory, for real
+    (run / "checkpoints" / f".rank0.pt.{os.getpid()}.tmp").symlink_to(victim)
+    atomic_torch_save({"w": torch.ones(2)}, path)
+    assert victim.read_bytes() == b"mine" and torch.equal(load_checkpoint_file(path)["w"], torch.ones(2))
+    os.unlink(path)
+    torch.save({"w": torch.zeros(2)}, elsewhere / "other.pt")
+    os.symlink(elsewhere / "other.pt", path)
+    with pytest.raises(PlantedLinkError, match="rank0.pt is a symbolic link"):
+        run_dir_path(str(run), "checkpoints", "rank0.pt")
+    with pytest.raises(PlantedLinkError, match="rank0.pt is a symbolic link"):
+        load_checkpoint_file(path)
+    (run / "events.jsonl").symlink_to(victim)
+    with pytest.raises(PlantedLinkError, match="events.jsonl is a symbolic link"):
+        EventLog(run)
+    (run / "events.jsonl").unlink()
+    os.link(victim, run / "events.jsonl")
+    with pytest.raises(PlantedLinkError, match="events.jsonl has 2 names"):
+        EventLog(run)
+    assert victim.read_bytes() == b"mine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file of another uid needs root (chown)")
+def test_an_entry_of_another_user_in_the_run_dir_is_refused(tmp_path):
+    """Left while the run dir was writable to others: its owner could still change it."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True, mode=0o700)
+    (run / "logs" / "loss.jsonl").write_text("")
+    os.chown(run / "logs" / "loss.jsonl", 4242, 4242)
+    with pytest.raises(PlantedLinkError, match=r"logs/loss\.jsonl in the run dir belongs to uid 4242"):
+        rundir.claim(str(run))
+    os.unlink(run / "logs" / "loss.jsonl")
+    rundir.claim(str(run)).release()
 
 
 def test_signed_store_rejects_forgery_copies_and_replays():

@@ -12,6 +12,7 @@ which unlinks them when the attaching process (a trainer) exits -- the opposite 
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -31,6 +32,36 @@ except ImportError:  # pragma: no cover - non-POSIX
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "leto-"
 SIZING_WAIT_S = 5.0  # how long an attacher waits for a segment's creator to give it its size
+
+
+class SharedMemoryCapacityError(ConfigurationError):
+    """``/dev/shm`` has less free space than the segments to create need: found before
+    allocating (a segment the kernel cannot back kills its user with SIGBUS at first touch)."""
+
+
+def shm_free_bytes() -> int:
+    """What an unprivileged process may still allocate in ``/dev/shm`` (``statvfs``)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def require_capacity(nbytes: int, what: str) -> None:
+    """Raise ``SharedMemoryCapacityError`` (one line: sizes, the fix) when ``/dev/shm`` cannot
+    hold ``nbytes`` more."""
+    free = shm_free_bytes()
+    if nbytes > free:
+        raise _too_small(what, nbytes, free)
+
+
+def _too_small(what: str, nbytes: int, free: int) -> SharedMemoryCapacityError:
+    return SharedMemoryCapacityError(
+        f"{SHM_DIR} has {_mib(free)} free, {what} needs {_mib(nbytes)}: enlarge it (docker run --shm-size, "
+        f"mount -o remount,size=... {SHM_DIR}) or free it (`leto cleanup`), or retain less per node (fewer ranks per "
+        "node, a smaller model or less parity)")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def new_job_id() -> str:
@@ -63,8 +94,13 @@ class SharedSegment:
             raise ConfigurationError(f"segment {name!r}: size must be positive, got {nbytes}")
         fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            require_capacity(nbytes, f"segment {name}")  # else reserving it would first take what is free
+            os.ftruncate(fd, nbytes)  # sized at once: an attacher waits for this (``_sized``)
+            _reserve(fd, name, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            unlink_segment(name)
+            raise
         finally:
             os.close(fd)
         return cls(name=name, nbytes=nbytes, owner=True, _mmap=mm)
@@ -105,6 +141,18 @@ class SharedSegment:
 
     def unlink(self) -> None:
         unlink_segment(self.name)
+
+
+def _reserve(fd: int, name: str, nbytes: int) -> None:
+    """Back every page of the segment now: a full ``/dev/shm`` (another rank of the node, another
+    job took the space meanwhile) is an error here, not a SIGBUS at the first write of a page."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise _too_small(f"segment {name}", nbytes, shm_free_bytes()) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV):
+            raise  # else a filesystem that cannot reserve: its pages are backed at first touch
 
 
 def _sized(fd: int, name: str) -> int:

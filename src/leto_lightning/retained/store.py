@@ -39,7 +39,7 @@ from ..protection.device import HASH_ALGORITHM as DEVICE_CHECKSUM
 from ..protection.device import page_hashes
 from .layout import ParamSlot, dtype_of
 from .record import ProgressRecord
-from .shm import SHM_DIR, SharedSegment, segment_name, unlink_segment
+from .shm import SHM_DIR, SharedSegment, require_capacity, segment_name, unlink_segment
 from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
     UNDO_CHUNK,
     UNDO_CRCS,
@@ -102,6 +102,7 @@ class RetainedStore:
         """
         if spec.config.backend == "cuda":
             spec = _with_device_manager(spec)
+        require_capacity(_host_bytes(spec), f"rank {spec.rank}'s retained store")  # before allocating anything
         created: dict[str, SharedSegment] = {}
         try:
             for what, nbytes in spec.sizes().items():
@@ -357,6 +358,16 @@ class RetainedStore:
 
     def in_flight(self) -> list[int]:
         return torch.nonzero(self.phases() != IDLE).flatten().tolist()
+
+
+def _host_bytes(spec: StoreSpec) -> int:
+    """What ``create`` will allocate in /dev/shm: every segment but those in device memory, and
+    the node's tier-2 segment unless another rank created it already."""
+    on_device = DEVICE_SEGMENTS if spec.config.backend == "cuda" else ()
+    total = sum(n for what, n in spec.sizes().items() if what not in on_device) + spec.spec_bytes()
+    if spec.tier2.enabled and not os.path.exists(os.path.join(SHM_DIR, spec.node_name("parity2"))):
+        total += spec.parity2_bytes()
+    return total
 
 
 def _create_or_attach(name: str, nbytes: int) -> SharedSegment:

@@ -8,6 +8,7 @@ operable. NVML missing means no NVIDIA device, not an error.
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 from dataclasses import dataclass, field
 
@@ -30,6 +31,26 @@ class Failure:
     detected_at: float = 0.0
     last_heartbeat: float | None = None
     remote_verdict: Verdict | None = None  # set when another node's agent classified it
+    hung_since: float | None = None  # a hang: the last sign of progress (its last heartbeat, or when the
+    # agent began waiting for one): the recovery breakdown's ``detect`` starts there
+
+    @property
+    def exception_type(self) -> str | None:
+        """The reported exception's type name (``"ValueError: ..."`` -> ``"ValueError"``)."""
+        return exception_type(self.exception)
+
+    def kind(self) -> str | None:
+        """What kind of failure this is, whatever its message says (a pid, a time, an address):
+        ``"SIGSEGV"``, the exception's type, or ``"exit code N"``. None for what says nothing
+        about the trainer itself: a hang, another node's failure, a SIGKILL (an OOM kill, an
+        operator, a fault injected)."""
+        if self.hang or self.pid is None or self.remote_verdict is not None:
+            return None
+        if self.signal is not None:
+            return None if self.signal == _signal.SIGKILL else _signal.Signals(self.signal).name
+        if self.exception_type is not None:
+            return self.exception_type
+        return f"exit code {self.exit_code}" if self.exit_code is not None else None
 
     def describe(self) -> str:
         if self.hang:
@@ -38,6 +59,23 @@ class Failure:
             return f"rank {self.rank} killed by {_signal.Signals(self.signal).name}"
         said = f" ({self.exception})" if self.exception else ""
         return f"rank {self.rank} exited with code {self.exit_code}{said}"
+
+
+_REPORTED = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")  # what a trainer reports: "<type name>: <message>"
+# the last line of a Python traceback, e.g. "torch.distributed.DistBackendError: ..." (names of exception types only)
+_PRINTED = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault)(?::\s|$)")
+
+
+def exception_type(reported: str | None) -> str | None:
+    """The type name at the start of a reported exception (its last dotted part), or None."""
+    match = _REPORTED.match((reported or "").strip())
+    return match.group(1).rsplit(".", 1)[-1] if match else None
+
+
+def printed_exception(line: str) -> str | None:
+    """``line`` when it is the last line of a Python traceback (``"<Type>Error: message"``)."""
+    line = line.strip()
+    return line if _PRINTED.match(line) else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +151,12 @@ def classify(failure: Failure, config: RuntimeConfig, health: DeviceHealth) -> C
     return Classification(config.unknown_is_hof, "no rule matched: unknown_is_hof", health)
 
 
+def stops_the_job(failure: Failure, config: RuntimeConfig) -> bool:
+    """A rule says no restart can help (a full disk, a too small /dev/shm): whatever the device."""
+    rule = next((r for r in config.all_rules if _matches(r, failure)), None)
+    return rule is not None and rule.stop
+
+
 def _matches(rule: ClassificationRule, f: Failure) -> bool:
     checks = []
     if rule.exit_code is not None:
@@ -121,6 +165,8 @@ def _matches(rule: ClassificationRule, f: Failure) -> bool:
         checks.append(f.signal == rule.signal)
     if rule.exception is not None:
         checks.append(bool(f.exception and rule.exception in f.exception))
+    if rule.exception_type is not None:
+        checks.append(f.exception_type == rule.exception_type)
     if rule.hang is not None:
         checks.append(f.hang == rule.hang)
     return bool(checks) and all(checks)

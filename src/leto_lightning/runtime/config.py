@@ -6,7 +6,8 @@ import signal
 from dataclasses import dataclass, field
 
 from ..errors import ConfigurationError
-from .storage import STORAGE_MESSAGES
+from ..retained.shm import SharedMemoryCapacityError
+from .storage import STORAGE_MESSAGES, PlantedLinkError
 
 SHADOW_LEVELS = (1, 2, 3)
 
@@ -16,8 +17,9 @@ class ClassificationRule:
     """One row of the HOF table: the first rule whose fields all match decides.
 
     ``exit_code`` / ``signal`` match a process exit; ``exception`` is a substring of the
-    exception the trainer reported; ``reason`` is what the event log says. ``stop``: no restart
-    can help (e.g. the run dir's disk is full): the job stops with the reason.
+    exception the trainer reported, ``exception_type`` its type name; ``reason`` is what the
+    event log says. ``stop``: no restart can help (e.g. the run dir's disk is full): the job
+    stops with the reason.
     """
 
     hof: bool
@@ -27,6 +29,7 @@ class ClassificationRule:
     exception: str | None = None
     hang: bool | None = None
     stop: bool = False
+    exception_type: str | None = None
 
 
 def default_rules() -> tuple[ClassificationRule, ...]:
@@ -34,7 +37,13 @@ def default_rules() -> tuple[ClassificationRule, ...]:
     storage = tuple(ClassificationRule(False, f"storage error in the run dir ({text}): free space or fix the "
                                               "filesystem, then relaunch (resumes from the last checkpoint)",
                                        exception=text, stop=True) for text in STORAGE_MESSAGES)
-    return storage + (
+    environment = (  # what every restart would meet again
+        ClassificationRule(False, "/dev/shm cannot hold the retained state: enlarge or free it, then relaunch",
+                           exception_type=SharedMemoryCapacityError.__name__, stop=True),
+        ClassificationRule(False, "a link or another user's file in the run dir: remove it, then relaunch",
+                           exception_type=PlantedLinkError.__name__, stop=True),
+    )
+    return storage + environment + (
         ClassificationRule(False, "device lost (Xid 79-class): needs a reset or a new node", exception="GPU is lost"),
         ClassificationRule(False, "uncontained ECC / remap failure (Xid 48/64/95): GPU reset",
                            exception="uncorrectable ECC error encountered"),

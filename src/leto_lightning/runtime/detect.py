@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import time
 
-from .classify import Failure
+from .classify import Failure, printed_exception, stops_the_job
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
@@ -60,14 +60,18 @@ class Detector:
         if remote is not None:
             return remote
         actives = self.trainers.actives
+        exited = []
         for p in actives.values():
-            code = p.poll()
-            if code is not None and code != 0 and not self.completed(p):
+            if p.poll() not in (None, 0) and not self.completed(p):
                 exit_code, sig = p.exit_status()
-                return self.failure(p, exit_code=exit_code, signal=sig)
+                exited.append(self.failure(p, exit_code=exit_code, signal=sig))
+        if exited:  # its peers die of it in their collectives: blame the likeliest cause (a failure no
+            # restart fixes, then a signal death rather than a peer's "connection closed"), else the first rank
+            return min(exited, key=lambda f: (not stops_the_job(f, self.config), f.signal is None))
         hung = [p for p in actives.values() if p.poll() is None and self._hung(p, now)]
         if hung:
-            return self.failure(min(hung, key=lambda p: (not stopped(p.pid), self._beat_time(p.rank))), hang=True)
+            p = min(hung, key=lambda p: (not stopped(p.pid), self._beat_time(p.rank)))
+            return self.failure(p, hang=True, waiting_since=self.trainers.heartbeats[p.rank][1])
         return None
 
     def _await_stop_request(self) -> None:
@@ -82,15 +86,22 @@ class Detector:
         return hb.t if hb is not None else self.trainers.heartbeats[rank][1]
 
     def failure(self, p: TrainerProcess, hang: bool = False, exit_code: int | None = None,
-                signal: int | None = None) -> Failure:
-        """What is known about trainer ``p``'s failure: its last heartbeat, its reported exception."""
+                signal: int | None = None, waiting_since: float | None = None) -> Failure:
+        """What is known about trainer ``p``'s failure: its last heartbeat, its exception (as it
+        reported it, else the last line of a traceback it printed: it died before it could
+        report, e.g. in its imports). A hang: ``waiting_since`` is when the agent began waiting
+        for this trainer's heartbeat (it hangs since its last heartbeat, if any, else since then)."""
         hb = self.last_heartbeat(p.rank)
         key = EXCEPTION.format(pid=p.pid)
         said = self.store.read(key)
         exc = said.decode(errors="replace") if said is not None else None
+        if exc is None and exit_code is not None:
+            exc = printed_exception(p.last_line())
+        hung_since = (hb.t if hb else waiting_since) if hang else None
         return Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
                        iteration=hb.it if hb else None, phase=hb.phase if hb else None,
-                       last_heartbeat=hb.t if hb else None, hang=hang, exit_code=exit_code, signal=signal)
+                       last_heartbeat=hb.t if hb else None, hang=hang, exit_code=exit_code, signal=signal,
+                       hung_since=hung_since)
 
     def _remote_failure(self) -> Failure | None:
         """Another node's agent declared a failure of this generation: recover in lockstep."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, LetoError
-from .storage import StorageError
+from .storage import StorageError, open_run_dir_file
 
 EVENTS_FILE = "events.jsonl"
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            # never through a link someone planted (PlantedLinkError), only a plain file of ours
+            self._fd: int | None = open_run_dir_file(str(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ConfigurationError(
                 f"run dir {str(run_dir)!r} cannot hold the event log ({exc.strerror}: {exc.filename}): "
@@ -93,9 +94,11 @@ def read_events(run_dir: str | os.PathLike) -> list[dict]:
 def iter_events(run_dir: str | os.PathLike) -> Iterator[dict]:
     """The records of a run dir's log; a torn last line (no newline, not JSON) is skipped."""
     path = Path(run_dir) / EVENTS_FILE
-    if not path.exists():
+    try:
+        fd = open_run_dir_file(str(path), os.O_RDONLY)  # a link planted in its place is refused, not read
+    except FileNotFoundError:
         return
-    with open(path, errors="replace") as f:
+    with open(fd, errors="replace") as f:
         lines = f.readlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():

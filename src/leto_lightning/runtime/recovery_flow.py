@@ -8,7 +8,7 @@ removed from /dev/shm) means a checkpoint restart; anything else is a bug and pr
 Breakdown recorded for every in-place recovery (seconds; docs/events.md). Consecutive
 intervals of one time line, so they add up to ``total_s``:
   detect        failure -> noticed (exit: since the last poll that saw nothing wrong; hang: since
-                the last heartbeat)
+                the last heartbeat, or since the agent began waiting for the first one)
   stop          classify, SIGKILL every active trainer and reap it
   attach_repair attach the node's retained stores, undo-restore, repair, roll forward
   start         until the trainers reached ``protect()``: a cold start's process start-up
@@ -60,7 +60,7 @@ class Recovery:
         self._phase = PhaseTracker("recovery", Phase.IDLE, RECOVERY_TRANSITIONS)
         self._books: RecoveryBooks | None = None  # open from resuming until every rank's first iteration
         self._failure_times: deque[float] = deque()
-        self._startup_failures: set[tuple[int, str]] = set()  # (exit code, message) before a first heartbeat
+        self._startup_failures: set[str] = set()  # the kinds of failure seen before a first heartbeat
         # a checkpoint restart, until every rank's first iteration: (failure time, failed iteration)
         self._restart: tuple[float, int | None] | None = None
         self.xids = XidMonitor()  # the agent's, registered at job start (none: classified without Xids)
@@ -122,18 +122,19 @@ class Recovery:
                                                         mine.to_json()))
 
     def _stop_on_repeated_startup_failure(self, failure: Failure) -> None:
-        """A trainer that exits the same way before its first heartbeat twice has a configuration
-        error (a bad argument, an invalid setting, a missing module): retrying cannot fix it."""
-        if failure.iteration is not None or failure.exit_code is None or failure.pid is None:
+        """A trainer that fails the same way before its first heartbeat twice has a configuration
+        error (a bad argument, an invalid setting, a missing module): retrying cannot fix it. The
+        same way = the same kind (signal, exception type, exit code), whatever the message says."""
+        kind = failure.kind() if failure.iteration is None else None
+        if kind is None:
             return
-        proc = self.trainers.actives.get(failure.rank)
-        said = failure.exception or (proc.last_line() if proc is not None else "") or ""
-        signature = (failure.exit_code, said)
-        if signature in self._startup_failures:
-            raise JobStopped(f"configuration error: the trainer failed the same way at start-up twice "
-                             f"(exit code {failure.exit_code}{': ' + said if said else ''}); it is not a hardware "
-                             "failure -- fix the script, its arguments or settings and relaunch")
-        self._startup_failures.add(signature)
+        if kind in self._startup_failures:
+            proc = self.trainers.actives.get(failure.rank)
+            said = failure.exception or (proc.last_line() if proc is not None else "")
+            raise JobStopped(f"configuration error: the trainer failed the same way ({kind}) at start-up twice, last: "
+                             f"{failure.describe()}{'' if failure.exception or not said else ': ' + said}; it is not "
+                             "a hardware failure -- fix the script, its arguments or settings and relaunch")
+        self._startup_failures.add(kind)
 
     def _charge_budget(self, failure: Failure) -> None:
         now = time.time()
@@ -150,7 +151,7 @@ class Recovery:
     # -- in place ------------------------------------------------------------------------------
     def _recover_in_place(self, failure: Failure) -> Failure | None:
         self._advance(Phase.STOPPING)
-        t_fail = failure.last_heartbeat if failure.hang and failure.last_heartbeat else self.detector.last_poll
+        t_fail = failure.hung_since if failure.hang and failure.hung_since else self.detector.last_poll
         t_fail = min(t_fail, failure.detected_at)
         timing = RecoveryTiming(detect=failure.detected_at - t_fail)
         gen = self.job.next_generation()
@@ -240,7 +241,8 @@ class Recovery:
     def _wait_resumed(self, timing: RecoveryTiming, t_repaired: float) -> Failure | ResumeInfo:
         """Until every active trainer resumed: the last one's ``ResumeInfo`` (the rank the job
         waited for), or the failure that came first (a resume past the start-up timeout: a hang)."""
-        deadline = time.time() + self.config.startup_timeout
+        waiting_since = time.time()
+        deadline = waiting_since + self.config.startup_timeout
         actives = self.trainers.actives
         pending = set(actives)
         infos: dict[int, ResumeInfo] = {}
@@ -257,7 +259,7 @@ class Recovery:
                 return failure
             if time.time() > deadline:  # blame a stopped trainer, not the healthy one waiting for it
                 p = min((actives[r] for r in pending), key=lambda p: (not stopped(p.pid), p.rank))
-                return self.detector.failure(p, hang=True)
+                return self.detector.failure(p, hang=True, waiting_since=waiting_since)
             self.stop.wait(self.config.poll_interval)
         last = max(infos.values(), key=lambda i: i.t)  # the rank the job waited for
         timing.init, timing.resume = last.init_s, last.resume_s

@@ -4,7 +4,10 @@
 
 - the directory is created with ``mode`` (default 0700: only the owner may read weights,
   optimizer state, RNG, the store's port and the pids) and an existing one is narrowed to it;
-  a directory owned by another user is refused -- whoever controls it could plant checkpoints;
+  a mode that lets the group or others write is refused (they could plant files and links);
+- a directory owned by another user is refused -- whoever controls it could plant checkpoints;
+  so is an entry inside it that is not the user's own (left there while it was writable to
+  others), and a symbolic link in place of a file or directory Leto uses (``LETO_ENTRIES``);
 - the process umask becomes the complement of ``mode`` for the agent and every trainer it
   starts, so their files are 0600 (0640 with ``--run-dir-mode 0750``, ...);
 - an exclusive ``flock`` on ``agent.lock`` says the directory has a live job. The kernel drops
@@ -22,13 +25,17 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError
+from .storage import PlantedLinkError, open_run_dir_file, run_dir_path
 
 LOCK_FILE = "agent.lock"
 DEFAULT_MODE = 0o700
+# What Leto itself reads and writes in a run dir (agent.node<n>.lock too): never a link.
+LETO_ENTRIES = ("events.jsonl", "checkpoints", "agents", "accelerate", "job.secret", "recipe.yaml", LOCK_FILE)
 logger = logging.getLogger(__name__)
 
 
@@ -63,9 +70,19 @@ def parse_mode(text: str) -> int:
         mode = int(text, 8)
     except ValueError:
         raise ConfigurationError(f"--run-dir-mode {text!r}: expected an octal mode such as 0700 or 0750") from None
-    if mode & ~0o777 or mode & 0o700 != 0o700:
-        raise ConfigurationError(f"--run-dir-mode {text!r}: the owner needs rwx (0700 ... 0777 without special bits)")
+    check_mode(mode, repr(text))
     return mode
+
+
+def check_mode(mode: int, shown: str | None = None) -> None:
+    """The owner keeps rwx; nobody else may write (they could plant files and links)."""
+    shown = shown or f"'{mode:04o}'"
+    if mode & ~0o777 or mode & 0o700 != 0o700:
+        raise ConfigurationError(f"--run-dir-mode {shown}: the owner needs rwx (0700 ... 0755 without special bits)")
+    if mode & 0o022:
+        raise ConfigurationError(f"--run-dir-mode {shown} lets the group or others write the run dir (they could plant "
+                                 "checkpoints and links there): use 0700 (the default), or 0750 to let your group "
+                                 "read it")
 
 
 def mode_argument(text: str) -> int:
@@ -80,6 +97,7 @@ def mode_argument(text: str) -> int:
 
 def prepare(path: str, mode: int = DEFAULT_MODE) -> None:
     """Create ``path`` (and missing parents) with ``mode``; narrow an existing one of ours to it."""
+    check_mode(mode)
     try:
         os.makedirs(path, mode=mode, exist_ok=True)
         st = os.stat(path)
@@ -105,11 +123,16 @@ def lock_name(node_rank: int) -> str:
 def claim(run_dir: str, mode: int = DEFAULT_MODE, lock_dir: str | None = None, node_rank: int = 0) -> RunDirClaim:
     """Prepare ``run_dir`` (and ``lock_dir`` inside it, where this agent's events go) and take the
     job lock there; raises ``RunDirBusy`` naming the live holder."""
+    check_mode(mode)
     old_umask = os.umask(0o777 & ~mode)  # 0700 -> umask 077: files 0600, directories 0700
     try:
         prepare(run_dir, mode)
+        check_entries(run_dir)
         lock_dir = lock_dir or run_dir
-        if os.path.abspath(lock_dir) != os.path.abspath(run_dir):
+        below = os.path.relpath(os.path.abspath(lock_dir), os.path.abspath(run_dir))
+        if below != "." and not below.startswith(".."):  # agents/rank<n>: no link on the way
+            run_dir_path(run_dir, *below.split(os.sep), directory=True)
+        elif below != ".":
             prepare(lock_dir, mode)
         name = lock_name(node_rank)
         fd = _lock(lock_dir, name)
@@ -124,13 +147,33 @@ def claim(run_dir: str, mode: int = DEFAULT_MODE, lock_dir: str | None = None, n
     return RunDirClaim(os.path.join(lock_dir, name), fd, previous, old_umask)
 
 
+def check_entries(run_dir: str) -> None:
+    """Refuse what a job must not trust in ``run_dir`` (without following any link): an entry that
+    belongs to another user anywhere in its tree (root's are trusted: root can do anything
+    anyway), a link in place of one of ``LETO_ENTRIES``."""
+    me = os.geteuid()
+    for top, dirs, files in os.walk(run_dir, onerror=lambda _exc: None):  # links are listed, not followed
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # removed meanwhile (another rank's agent, a finishing job)
+                continue
+            if top == run_dir and stat.S_ISLNK(st.st_mode) and (name in LETO_ENTRIES or name.endswith(".lock")):
+                run_dir_path(run_dir, name)  # raises, naming the link and the fix
+            if st.st_uid not in (me, 0):
+                raise PlantedLinkError(
+                    f"{path} in the run dir belongs to uid {st.st_uid}, not to you (uid {me}): whoever owns it can "
+                    "change what the job reads or writes -- remove it, or pick another --run-dir")
+
+
 def _lock(path: str, name: str) -> int:
     """An fd holding the exclusive lock of ``path/name`` (the file at that path, not an
     unlinked one a finishing agent released)."""
     lock_path = os.path.join(path, name)
     while True:
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:  # not through a link, only a plain file of ours (else PlantedLinkError)
+            fd = open_run_dir_file(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ConfigurationError(f"run dir {path!r}: cannot open {name} ({exc.strerror})") from None
         try:

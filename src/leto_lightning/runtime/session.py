@@ -56,7 +56,7 @@ from .keys import (
     STORE_READY,
 )
 from .messages import FirstDone, Heartbeat, Promotion, ResumeInfo
-from .storage import atomic_torch_save
+from .storage import atomic_torch_save, open_run_dir_file, run_dir_path
 
 
 @dataclass
@@ -307,7 +307,9 @@ class Session:
                                  self.store, self.env.generation)
 
     def checkpoint_path(self, iteration: int) -> str:
-        return os.path.join(self.checkpoints.directory(iteration), f"rank{self.rank}.pt")
+        """This rank's file of ``iteration``; no link on the way is followed (``PlantedLinkError``)."""
+        name = os.path.basename(self.checkpoints.directory(iteration))
+        return run_dir_path(self.env.run_dir, "checkpoints", name, f"rank{self.rank}.pt")
 
     def save_checkpoint(self, state: dict, iteration: int | None = None) -> str:
         """Write this rank's checkpoint of ``iteration`` (default: ``state["iteration"]``, where the
@@ -426,7 +428,8 @@ def load_checkpoint_file(path: str) -> dict:
     import pickle
 
     try:
-        return torch.load(path, weights_only=True)
+        with os.fdopen(open_run_dir_file(path, os.O_RDONLY), "rb") as f:  # a link in its place: refused
+            return torch.load(f, weights_only=True)
     except pickle.UnpicklingError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]  # torch's middle line names what it refused
         why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), type(exc).__name__)
@@ -444,7 +447,7 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
         record = {"time": time.time(), "event": "control_message_rejected", "generation": env.generation,
                   "key": key, "reason": reason, "reader": f"rank {env.rank} {env.role}", "pid": os.getpid()}
         try:
-            fd = os.open(events_path, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:

@@ -1,9 +1,12 @@
-"""Writing to the run directory when its filesystem may be full.
+"""Writing to the run directory when its filesystem may be full, or someone planted links in it.
 
-Two rules: a file a reader may see is either the old one or the complete new one (write a
-temporary file beside it, then ``os.replace``), and a storage failure says so -- ``torch.save``
+Three rules: a file a reader may see is either the old one or the complete new one (write a
+temporary file beside it, then ``os.replace``); a storage failure says so -- ``torch.save``
 reports a full disk as an obscure ``RuntimeError`` ("unexpected pos ..."), which would
-otherwise be taken for a trainer crash and recovered in place, forever.
+otherwise be taken for a trainer crash and recovered in place, forever; and Leto never reads or
+writes through a symbolic link inside the run dir (``run_dir_path``, ``open_run_dir_file``):
+whoever planted one (while the directory was writable to others, or through a directory of
+theirs inside it) could otherwise point the job's appends and checkpoints at any file of yours.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable
 
-from ..errors import LetoError
+from ..errors import ConfigurationError, LetoError
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 # What a trainer's reported exception says when the run dir's storage failed (classification).
@@ -27,16 +31,26 @@ class StorageError(LetoError, OSError):
     """The run directory's storage failed (full, over quota, read-only): nothing a restart fixes."""
 
 
+class PlantedLinkError(ConfigurationError):
+    """A path Leto reads or writes inside the run dir is a symbolic link, or an entry that is not
+    the user's own plain file or directory: refused, never followed."""
+
+
 def is_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
 
 
-def atomic_write(path: str, write: Callable[[str], None]) -> str:
+def atomic_write(path: str, write: Callable[[str], None], mode: int | None = None) -> str:
     """``write(tmp)`` then ``os.replace(tmp, path)``; on failure the temporary file is removed
-    (a full disk stays no fuller) and a full disk raises ``StorageError`` naming ``path``."""
+    (a full disk stays no fuller) and a full disk raises ``StorageError`` naming ``path``.
+
+    The temporary file is created here, new (``O_EXCL``) and not through a link, before
+    ``write`` opens it by name: a link planted at its predictable name is removed, never written
+    through. ``mode``: its permissions (default: what the umask leaves of 0666)."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
+        _create_new(tmp, mode)
         write(tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:
@@ -103,6 +117,19 @@ def restore_replaced(directory: str | os.PathLike) -> list[str]:
     return restored
 
 
+def _create_new(tmp: str, mode: int | None) -> None:
+    try:
+        os.unlink(tmp)  # a stale one of a dead writer with our pid, or a planted link: the link itself goes
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def atomic_torch_save(obj: object, path: str) -> str:
     """``torch.save`` that never leaves a partial file at ``path``."""
     import torch
@@ -131,3 +158,71 @@ def usable_run_dir(path: str, mode: int = 0o700) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigurationError(f"run dir {path!r} is not writable by this user: pick another --run-dir")
     return path
+
+
+def run_dir_path(run_dir: str, *parts: str, directory: bool = False) -> str:
+    """``run_dir/parts...``, checked component by component below ``run_dir`` (the run dir itself
+    may be a link of yours): every directory on the way is created if missing and must be a real
+    directory of yours, never a link; the last part (``directory``: a directory, created too) must
+    not be a link either. A link raises ``PlantedLinkError`` naming it and the fix."""
+    path = run_dir
+    for i, part in enumerate(parts):
+        path = os.path.join(path, part)
+        last = i == len(parts) - 1
+        if not last or directory:
+            try:
+                os.mkdir(path, 0o777)  # the umask narrows it (the agent's: 077)
+            except FileExistsError:
+                pass
+            _require_own_dir(path)
+        else:
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    raise _planted_link(path)
+            except FileNotFoundError:
+                pass
+    return path
+
+
+def open_run_dir_file(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that does not follow a link at ``path`` and accepts only a regular file; to
+    write, only one of yours with no other name (a hard link to another file of yours would be
+    written through)."""
+    try:
+        # O_NONBLOCK: a FIFO in the file's place must not block the open (no effect on regular files)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _planted_link(path) from None
+        raise
+    st = os.fstat(fd)
+    writes = flags & (os.O_WRONLY | os.O_RDWR)
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"belongs to uid {st.st_uid}, not to you" if writes and st.st_uid != os.geteuid() else
+               f"has {st.st_nlink} names (hard links): writing it would change the others"
+               if writes and st.st_nlink > 1 else "")
+    if problem:
+        os.close(fd)
+        raise PlantedLinkError(f"{path} {problem}: Leto reads and writes only its own files in the run dir -- remove "
+                               "it and relaunch (or pick another --run-dir)")
+    return fd
+
+
+def _require_own_dir(path: str) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _planted_link(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigurationError(f"{path} is not a directory: remove it and relaunch (or pick another --run-dir)")
+    if st.st_uid != os.geteuid():
+        raise PlantedLinkError(f"{path} belongs to uid {st.st_uid}, not to you: whoever owns it can change what the "
+                               "job writes there -- remove it and relaunch (or pick another --run-dir)")
+
+
+def _planted_link(path: str) -> PlantedLinkError:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return PlantedLinkError(f"{path} is a symbolic link (to {target}): Leto never reads or writes through a link in "
+                            f"its run dir -- remove it (rm {path}) and relaunch")
