@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import weakref
 from pathlib import Path
 
@@ -117,6 +118,19 @@ def test_the_model_stays_usable_after_end_training() -> None:
 
     result = run_in_child(train_then_use)
     assert result.signal is None and len(result.value) == 2
+
+
+def test_prepared_objects_pickle_as_accelerates() -> None:
+    """A prepared optimizer (before binding) and a prepared loader pickle; the copies belong to no
+    accelerator (the weak references to it are not pickled)."""
+    acc = LetoAccelerator(leto=LETO)
+    opt = acc.prepare(torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1))
+    copy = pickle.loads(pickle.dumps(opt))
+    with pytest.raises(UsageError, match="was deleted"):
+        copy._leto_bind_late()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
+    copied = list(pickle.loads(pickle.dumps(loader)))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(copied, loader, strict=True))
 
 
 def _state(opt) -> dict:

@@ -451,13 +451,29 @@ def _free(ro: RetainedOptimizer) -> None:
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (bound to the accelerator), held weakly: what the accelerator gives the prepared
     optimizer, loaders and store must not keep it alive (``del accelerator`` frees it at once)."""
-    ref = weakref.WeakMethod(method)
+    return _WeakMethod(method)
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
+
+def _gone() -> None:
+    return None
+
+
+class _WeakMethod:
+    """A method of the accelerator, held weakly; picklable as Accelerate's prepared objects are
+    (an unpickled copy belongs to no accelerator)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._ref: Callable[[], Callable[..., Any] | None] = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._ref()
         if bound is None:
             raise UsageError(f"{WHO}: the accelerator that prepared this optimizer was deleted -- keep it while "
                              "training")
         return bound(*args, **kwargs)
 
-    return call
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._ref = _gone
