@@ -187,6 +187,15 @@ def test_a_mid_run_reload_is_retained_a_crash_right_after_resumes_bit_identical(
     assert got["losses"] == expected["losses"][-STEPS_AFTER:]  # from the batch that was killed on
 
 
+def test_a_reload_right_after_a_step_in_the_exact_mode(tmp_path: Path) -> None:
+    """``rollback_window=True``: the update of the step before ``load_state`` is still open (it
+    closes when the loop fetches its next batch); the load closes it, and the run continues as
+    plain Accelerate's."""
+    expected = _loop(Accelerator(cpu=True), tmp_path / "plain")
+    exact = LetoConfig(page_bytes=4096, data_pages=4, tier1_parity=1, record_bytes=1 << 16, rollback_window=True)
+    _assert_equal(_loop(LetoAccelerator(leto=exact), tmp_path / "leto"), expected)
+
+
 def test_a_plain_accelerator_checkpoint_loads_into_retained_memory(tmp_path: Path) -> None:
     plain = Accelerator(cpu=True)
     model, opt = _prepared(plain)
