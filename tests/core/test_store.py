@@ -36,6 +36,26 @@ def test_segments_are_private_and_survive_their_creator():
     assert name not in list_segments()
 
 
+def test_close_leaves_memory_a_tensor_still_views_mapped():
+    """``close`` drops this process's mapping only once no tensor views it: a model whose
+    parameters are views of a freed store stays usable (it crashed with SIGSEGV when ``close``
+    unmapped under the views). Run in a child: a crash must fail the test, not end the session."""
+    job = new_job_id()
+
+    def use_after_close() -> list[int]:
+        seg = SharedSegment.create(segment_name(job, "x"), 4096)
+        view = seg.tensor[8:12]
+        view.copy_(torch.tensor([5, 6, 7, 8], dtype=torch.uint8))
+        seg.unlink()
+        seg.close()
+        view.add_(1)  # the memory is still mapped: written and read back
+        return view.tolist()
+
+    result = run_in_child(use_after_close)
+    assert result.signal is None and result.value == [6, 7, 8, 9]
+    assert not list_segments("leto-" + job)
+
+
 def test_record_survives_a_torn_write():
     buf = torch.zeros(2 * 4096, dtype=torch.uint8)
     rec = ProgressRecord(buf, on_half_written=lambda: point("record.half_written"))

@@ -17,6 +17,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 _WALK = r"""
 import importlib, importlib.util, json, os, sys, traceback
 import torch, torch._dynamo, torch.distributed, torch.fx.experimental.symbolic_shapes, torch.utils.tensorboard
@@ -73,15 +75,16 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert not out["failures"], "\n".join(f"{m}:\n{tb}" for m, tb in out["failures"].items())
 
 
-def test_every_checkpoint_load_in_the_integration_is_weights_only() -> None:
-    """``torch.load`` / ``checkpoint_io.load_checkpoint`` in ``integrations/lightning`` pass
-    ``weights_only=True``: a checkpoint is data, never code (``super().load_checkpoint``
-    passes Lightning's own argument through)."""
+@pytest.mark.parametrize("integration", ["lightning", "accelerate"])
+def test_every_checkpoint_load_in_the_integration_is_weights_only(integration: str) -> None:
+    """``torch.load`` / ``checkpoint_io.load_checkpoint`` in ``integrations/lightning`` and
+    ``integrations/accelerate`` pass ``weights_only=True``: a checkpoint is data, never code
+    (``super().load_checkpoint`` passes Lightning's own argument through)."""
     import ast
+    import importlib
     import pathlib
 
-    import leto_lightning.integrations.lightning as package
-
+    package = importlib.import_module(f"leto_lightning.integrations.{integration}")
     calls = []
     for path in sorted(pathlib.Path(package.__file__).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -6,7 +6,8 @@ Run as a script under ``accelerate launch --config_file configs/accelerate/leto-
 layers' dim 0, 5 and 3, do not divide by 2), a shuffled prepared loader, accumulation 2,
 ``accelerator.clip_grad_norm_`` on the DTensor gradients (every step clips), a prepared LR
 schedule; ``--save-at``/``--stop-after``/``--load-state`` for a checkpoint restart (Accelerate's
-FSDP2 ``save_state``/``load_state``: a distributed checkpoint). Each rank writes
+FSDP2 ``save_state``/``load_state``: a distributed checkpoint), ``--reload-at`` to load the
+``--save-at`` checkpoint back mid-run. Each rank writes
 ``losses_rank<r>.jsonl`` (a row per optimizer step, written before ``opt.step()``: a redone
 step writes the same row again) and ``final_rank<r>.pt`` (the local real rows of every
 parameter and of its AdamW state, the LR).
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=0, help="save_state after this optimizer step")
     p.add_argument("--stop-after", type=int, default=-1, help="stop after this optimizer step (a preemption)")
     p.add_argument("--load-state", default=None, help="load_state(DIR) after prepare()")
+    p.add_argument("--reload-at", type=int, default=0, help="after this optimizer step, load the --save-at checkpoint")
     p.add_argument("--bf16", action="store_true", help="mixed_precision='bf16' (FSDP2 param_dtype bf16)")
     return p.parse_args(argv)
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                 done += acc.sync_gradients
             if acc.sync_gradients and done == args.save_at:
                 acc.save_state(os.path.join(args.out, "checkpoints", f"step_{done}"))
+            if acc.sync_gradients and done == args.reload_at:
+                acc.load_state(os.path.join(args.out, "checkpoints", f"step_{args.save_at}"))
             if done == args.stop_after:
                 break
     rows.close()

@@ -6,6 +6,7 @@
   and their gradients views into the retained store.
 - ``mixed_precision='bf16'``: bit-identical to plain, the retained master shards fp32.
 - ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
+- ``load_state`` of an earlier checkpoint mid-run: bit-identical to plain Accelerate doing the same.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
 - (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``, ``leto
   launch`` and torchrun: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
@@ -131,6 +132,17 @@ def test_save_state_then_load_state_in_a_new_job(plain_accelerate_fsdp2: Path, t
     lines = (tmp_path / "losses_rank0.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(12))  # the new job began at step 6
     assert torch.load(tmp_path / "final_rank1.pt", weights_only=False)["iteration"] == 12
+
+
+def test_load_state_mid_run_as_plain_accelerate(tmp_path) -> None:
+    """``save_state`` after step 3, ``load_state`` of it after step 6 (two steps are trained
+    again from the checkpoint's state): shards, AdamW state, LR and losses bit-identical to plain
+    Accelerate + FSDP2 doing the same; the job's iteration count goes on."""
+    reference, out = tmp_path / "plain", tmp_path / "leto"
+    run_forked(reference, "--plain", "--epochs", "2", "--save-at", "3", "--reload-at", "6")
+    run_forked(out, "--epochs", "2", "--save-at", "3", "--reload-at", "6")
+    assert differences(out, reference) == []
+    assert torch.load(out / "final_rank0.pt", weights_only=False)["iteration"] == 8
 
 
 def test_fsdp1_and_offload_refused(monkeypatch) -> None:

@@ -122,7 +122,10 @@ class SharedSegment:
         if self._tensor is None:
             if self._mmap is None:
                 raise UsageError(f"segment {self.name!r} is closed")
-            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            # Through a memoryview, which every tensor viewing the segment keeps alive: it holds an
+            # export of the mapping, so ``close`` cannot unmap memory a tensor still views
+            # (``frombuffer`` of the mmap itself releases its export at once).
+            self._tensor = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
         return self._tensor
 
     def close(self) -> None:

@@ -23,12 +23,15 @@ def _tensor(state: Any) -> torch.Tensor:
 
 
 def rng_states() -> dict[str, Any]:
-    """torch (CPU, and CUDA when initialised), Python and NumPy generators."""
+    """torch (CPU, and CUDA when initialised), Python and NumPy generators, as plain values
+    (bytes, numbers, tuples): a checkpoint holding them loads with ``weights_only=True``."""
     states: dict[str, Any] = {"torch": _raw(torch.get_rng_state()), "python": random.getstate()}
     try:
         import numpy as np
 
-        states["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+        states["numpy"] = (str(name), np.asarray(keys, dtype="<u4").tobytes(), int(pos), int(has_gauss),
+                           float(cached_gaussian))
     except ImportError:  # pragma: no cover - numpy is optional
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -42,7 +45,8 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "numpy" in states:
         import numpy as np
 
-        np.random.set_state(states["numpy"])
+        name, keys, pos, has_gauss, cached_gaussian = states["numpy"]
+        np.random.set_state((name, np.frombuffer(keys, dtype="<u4").copy(), pos, has_gauss, cached_gaussian))
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
 

@@ -137,6 +137,7 @@ class RetainedOptimizer:
         else:
             self.txn = ChunkTransactions(store, ParityCodes(store))
         self._received: set[int] = set()
+        self._grad_hooks: list = []  # one per param, replaced when bound again (reinitialise)
         self._grad_views = [store.param_view(slot, GRAD) for slot in self.layout.params]  # made once: per step
         self.iteration = 0
         if rollback_window and self.layout.family != "generic":
@@ -200,6 +201,9 @@ class RetainedOptimizer:
             store.require_complete()  # a half-initialised store holds nothing to adopt
         else:
             store.clear_complete()  # being initialised: incomplete until its creator marks it again
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks.clear()
         for slot, p in zip(lay.params, self.params):
             if tuple(p.shape) != slot.shape:
                 raise ConfigurationError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
@@ -209,7 +213,7 @@ class RetainedOptimizer:
                 view.copy_(p.detach())
             p.data = view
             p.grad = self._grad_views[slot.index]
-            p.register_post_accumulate_grad_hook(self._mark_received(slot.index))
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._mark_received(slot.index)))
             if lay.family != "generic":
                 kinds = lay.segments[slot.segment].kinds
                 state = {k: store.param_view(slot, k) for k in kinds if k not in (PARAM, GRAD)}
@@ -228,6 +232,36 @@ class RetainedOptimizer:
             self.boundary_payload = payload
         elif resume:
             self.resume()
+
+    def reinitialise(self, iteration: int, payload: object) -> None:
+        """Values were loaded into the bound params and into ``optimizer.state`` (a checkpoint,
+        possibly into a running job): initialise the store from them as a new store is
+        (``bind(adopt=False)``), committed and closed at ``iteration - 1`` with ``payload``.
+        State the optimizer holds no value for starts from zero, as torch's own would; an open
+        rollback window is closed (the loaded state replaced what it would roll back). The
+        caller encodes tier 2 and marks the store complete."""
+        store = self.store
+        store.clear_complete()
+        base = store.data.untyped_storage().data_ptr()
+        for p in self.params:  # state still viewing the store (nothing loaded it): keep its values
+            state = self.optimizer.state.get(p)
+            if state:
+                self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor)
+                                           and v.untyped_storage().data_ptr() == base else v
+                                           for k, v in state.items()}
+        for seg in self.layout.segments:
+            for kind in seg.kinds:
+                if kind not in (PARAM, GRAD):
+                    zero_in_place(store.region_view(seg.index, kind))
+        store.steps.zero_()
+        store.scalars.zero_()
+        store.flags[FLAG_GENERIC_STATE_BOUND] = 0
+        open_records, self.txn.open_records = self.txn.open_records, False
+        try:
+            self.bind(adopt=False, iteration=iteration, payload=payload)
+        finally:
+            self.txn.open_records = open_records
+        self.window, self._has_before, self._before = WindowPhase.SEALED, False, None
 
     def _copy_existing_state(self, slot, state: dict, existing: dict) -> None:
         """Optimizer state that exists before binding (a checkpoint was loaded) moves in."""

@@ -9,26 +9,33 @@ What it changes in ``Accelerator`` (each measured against Accelerate 1.15 and 1.
   ``cpu=True`` (gloo) instead of letting every rank train alone;
 - ``prepare_optimizer`` -- a ``LetoAcceleratedOptimizer`` (``optimizer.py``): Accelerate's
   step, scaler and accumulation semantics, the innermost step a retained transaction;
-- ``prepare_data_loader`` -- the prepared loader gets its position (``loader.py``);
+- ``prepare_data_loader`` -- the prepared loader gets its position (``loader.py``); a
+  dispatching one is refused only when a step trains from it;
 - ``prepare`` -- once the optimizer's model is prepared (device placement, DDP wrap), binds
   parameters, gradients and optimizer state to retained memory (``binding.py``); with
   Accelerate's FSDP2 plugin (enabled on CPU, ``fsdp2.py``) the local shards, through the core
-  FSDP2 binding;
+  FSDP2 binding; an optimizer whose parameters are in no prepared model binds what it holds at
+  its first step; its state shows as torch's does (``shown_state.py``);
 - ``leto_resume()`` -- after a recovery, puts back what ``save_state`` would plus the data
   position (``payload.py``) and returns where the loop continues;
 - ``save_state``/``load_state`` -- Accelerate's checkpoint plus the Leto payload; loading after
-  ``prepare()`` re-initialises the retained store from it (``checkpoint.py``); after the agent's
-  checkpoint fallback, the newest checkpoint of the job is loaded (``fallback.py``);
+  ``prepare()``, at any point, re-initialises the retained store from it (``checkpoint.py``);
+  after the agent's checkpoint fallback, the newest checkpoint of the job is loaded
+  (``fallback.py``);
 - ``init_trackers`` -- one wandb group per job; the main process logs the recovery metrics
   (``recovery_log.py``);
 - ``end_training`` -- also tells the agent the job finished (a crash during interpreter exit is
   then no failure) and, without an agent, frees the retained memory.
+
+Without an agent the retained memory is also freed when the accelerator is deleted (nothing it
+prepared holds it strongly: no reference cycle) and when the process exits -- including a child
+of ``multiprocessing`` (``debug_launcher``, ``notebook_launcher``), which skips ``atexit``.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
+import multiprocessing.util
 import os
 import weakref
 from collections.abc import Callable
@@ -54,10 +61,11 @@ from .binding import attach as attach_store
 from .binding import create as create_store
 from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
 from .config import LetoConfig
-from .loader import is_positioned, positioned
+from .loader import is_positioned, is_resumable, positioned
 from .optimizer import LetoAcceleratedOptimizer
 from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
 from .recovery_log import RecoveryLog, tracker_kwargs
+from .shown_state import ShownState, shows_torch_state
 from .state import RunState
 from .versions import check_accelerate
 
@@ -91,6 +99,8 @@ class LetoAccelerator(Accelerator):
         self.retained: RetainedOptimizer | None = None
         self.leto_fsdp2: RetainedFSDP2 | None = None  # the FSDP2 binding of the local shards (fsdp2.py)
         self.leto_optimizer: LetoAcceleratedOptimizer | None = None
+        self._leto_shown: ShownState | None = None  # optimizer state shown as torch's (shown_state.py)
+        self._leto_release: multiprocessing.util.Finalize | None = None  # frees the store without an agent
         self.leto_loaders: list = []
         self.leto_recoveries = 0
         self.leto_recovery_log = RecoveryLog()  # recovery metrics through the trackers (recovery_log.py)
@@ -99,7 +109,6 @@ class LetoAccelerator(Accelerator):
         self._leto_point: ResumePoint | None = None
         self._last_loader: Any = None
         self._train_loader: Any = None
-        self._leto_start_iteration = 0  # the retained iteration this process started at (checkpoint.py)
         self._leto_from_checkpoint = False  # the payload to resume from came from load_state, not a recovery
         self._leto_fallback: tuple[int, str] | None = None  # (iteration, dir) to load after the fallback
         self._leto_fallback_known = False  # looked up already (fallback.py; a collective, once)
@@ -148,7 +157,8 @@ class LetoAccelerator(Accelerator):
             device_placement = self.device_placement
         if zero1.is_zero1(optimizer):
             device_placement = False  # ZeRO's state_dict() needs a collective first; its state is empty (zero1.py)
-        prepared = LetoAcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
+        prepared = LetoAcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
+                                            bind_late=_weak(self._bind_late))
         self._optimizers.append(prepared)
         return prepared
 
@@ -156,13 +166,9 @@ class LetoAccelerator(Accelerator):
     def prepare_data_loader(self, data_loader: Any, device_placement: Any = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        if isinstance(prepared, DataLoaderDispatcher):
-            raise ConfigurationError(
-                f"{WHO}: a dispatching data loader (DataLoaderConfiguration(dispatch_batches=True), the default for "
-                "an IterableDataset) cannot be put back at a position after a recovery -- use a map-style Dataset or "
-                "dispatch_batches=False")
-        if isinstance(prepared, DataLoaderShard) and not is_positioned(prepared):
-            positioned(prepared, self, len(self.leto_loaders))
+        if isinstance(prepared, (DataLoaderShard, DataLoaderDispatcher)) and not is_positioned(prepared):
+            # a dispatcher cannot be put back at a position: refused only if a step trains from it
+            positioned(prepared, self, len(self.leto_loaders), resumable=not isinstance(prepared, DataLoaderDispatcher))
             self.leto_loaders.append(prepared)
         return prepared
 
@@ -171,10 +177,45 @@ class LetoAccelerator(Accelerator):
         if self.retained is not None or not self._optimizers:
             return
         prepared = the_optimizer(self._optimizers)
-        params = [p for g in prepared.optimizer.param_groups for p in g["params"]]
+        if self._outside_models(prepared) is None:
+            self._bind_now(prepared)
+        # else: the model comes in a later prepare() call, or never (bound at the first step)
+
+    def _outside_models(self, prepared: LetoAcceleratedOptimizer) -> str | None:
+        """A parameter of the optimizer in no prepared model (described), else None."""
         in_models = {id(p) for m in self._models for p in m.parameters()}
-        if not all(id(p) in in_models for p in params):
-            return  # the model comes in a later prepare() call
+        for j, group in enumerate(prepared.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in in_models:
+                    return f"param_groups[{j}]['params'][{i}] (shape {tuple(p.shape)})"
+        return None
+
+    def _bind_late(self) -> None:
+        """The first step (or ``leto_resume()``) of an optimizer whose parameters are in no prepared
+        model -- a model built after the optimizer, parameters remapped after ``prepare()``: bind
+        the parameters it holds now, keeping the gradients computed so far. A process that may
+        continue a job from retained memory must bind at ``prepare()``: refused there."""
+        if self.retained is not None:
+            return
+        prepared = the_optimizer(self._optimizers)
+        stray = self._outside_models(prepared)
+        if stray is not None and (self.runtime is not None or self.leto_options.resume_requested()
+                                  or self.is_fsdp2 or zero1.is_zero1(prepared.optimizer)):
+            raise UsageError(f"{WHO}: the optimizer's {stray} belongs to no prepared model; under a Leto launcher, "
+                             "with LETO_RESUME=retained, FSDP2 or ZeRO-1 the parameters bind at prepare() -- pass "
+                             "the model the optimizer was built from to accelerator.prepare()")
+        params = [p for g in prepared.optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        self._bind_now(prepared)
+        ro = self.retained
+        assert ro is not None
+        with torch.no_grad():
+            for i, (p, grad) in enumerate(zip(ro.params, grads)):
+                if grad is not None and grad is not p.grad:
+                    p.grad.copy_(grad)
+                    ro.mark_received(i)
+
+    def _bind_now(self, prepared: LetoAcceleratedOptimizer) -> None:
         job = self.leto_options.resolved_job_id() or agreed_job_id(self.num_processes)
         continuing = (self.runtime is not None and self.runtime.resumes) or self.leto_options.resume_requested()
         self.leto_state.bound(continuing)
@@ -189,10 +230,13 @@ class LetoAccelerator(Accelerator):
             self.runtime.store_ready()  # shadows may attach now
             if fallback.starting_fresh():
                 fallback.forget(self.runtime.run_dir, self.process_index)
-        else:
-            atexit.register(_free, ro)  # no agent will free it
-        prepared.bind_step(self._retained_step)
+        else:  # no agent will free it: deleting the accelerator or the process exiting does
+            self._leto_release = multiprocessing.util.Finalize(self, _free, args=(ro,), exitpriority=0)
+        prepared.bind_step(_weak(self._retained_step))
         self.retained, self.leto_optimizer = ro, prepared
+        if shows_torch_state(ro) and self.leto_fsdp2 is None:
+            self._leto_shown = ShownState(ro)
+            self._leto_shown.refresh()
 
     def _payload(self) -> dict:
         return capture(self, PREPARE, self._train_loader)
@@ -202,13 +246,13 @@ class LetoAccelerator(Accelerator):
         rollback, barrier = self.leto_config.rollback_window, self._barrier()
         if zero1.is_zero1(prepared.optimizer):  # ZeRO-1: the params this rank owns (zero1.py)
             ro: RetainedOptimizer = zero1.bind(prepared.optimizer, self.retained_config, job, self._ranks(),
-                                               continuing, barrier, self._payload, param_names(self._models),
+                                               continuing, barrier, _weak(self._payload), param_names(self._models),
                                                under_launcher=self.runtime is not None, rollback_window=rollback)
         elif continuing:
-            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, self._payload, rollback)
+            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, _weak(self._payload), rollback)
         else:
             ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
-                              param_names(self._models), barrier, self._payload, rollback)
+                              param_names(self._models), barrier, _weak(self._payload), rollback)
         prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
         return ro
 
@@ -217,7 +261,7 @@ class LetoAccelerator(Accelerator):
         optimizer's ``zero_grad`` becomes the binding's, which keeps DTensor gradients views."""
         (model,) = self._models  # Accelerate's FSDP2 prepares exactly one model
         self.leto_fsdp2 = fsdp2.bind(model, prepared.optimizer, self.retained_config, job, self._ranks(), continuing,
-                                     self._barrier(), self._payload)
+                                     self._barrier(), _weak(self._payload))
         return self.leto_fsdp2.ro
 
     def _ranks(self) -> dict[str, int]:
@@ -240,11 +284,19 @@ class LetoAccelerator(Accelerator):
         ro = self.retained
         assert ro is not None
         self._check_resumed()
+        if not is_resumable(self._last_loader):
+            raise ConfigurationError(
+                f"{WHO}: a training step on batches of a dispatching data loader (DataLoaderConfiguration("
+                "dispatch_batches=True), the default for an IterableDataset), which cannot be put back at a position "
+                "after a recovery -- train from a map-style Dataset or with dispatch_batches=False (evaluating or "
+                "loading data with it is fine)")
         link = self.runtime
         if link is not None:
             link.update_start(ro.iteration)
         self._train_loader = self._last_loader
         loss = self.leto_fsdp2.step(closure) if self.leto_fsdp2 is not None else ro.step(closure)
+        if self._leto_shown is not None:
+            self._leto_shown.after_step()
         ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
         self.leto_state.stepped()
         if link is not None:
@@ -289,12 +341,14 @@ class LetoAccelerator(Accelerator):
         """``None`` on a fresh start. After a recovery: the retained state is in place, the
         schedulers, scaler, ``step``, RNG and registered objects are put back, the prepared data
         loaders start at the next batch; returns where the loop continues."""
+        if self.retained is None and self._optimizers:
+            self._bind_late()  # its parameters are in no prepared model: bound now (or refused)
         if self.retained is None:
             raise UsageError(f"{WHO}.leto_resume(): call it after accelerator.prepare(model, optimizer, ...)")
         newest = self._fallback_checkpoint()
         if newest is not None and not self._leto_from_checkpoint:
             self.load_state(newest[1])  # the agent's checkpoint fallback: the newest save_state of this job
-        if not self.leto_state.awaiting_resume:  # fresh (None), or resumed already (the same point)
+        if not self.leto_state.resume_due:  # fresh (None), or resumed or trained already (the same point)
             return self._leto_point
         self.leto_state.resumed()
         (self.leto_fsdp2 or self.retained).zero_grad()  # a crashed accumulation's partial gradients are dropped
@@ -375,18 +429,53 @@ class LetoAccelerator(Accelerator):
         if self.runtime is not None and self.runtime.session is not None:
             self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
         elif ro is not None:
-            _free(ro)
+            if self._leto_release is not None:
+                self._leto_release()  # runs _free once, and never again at exit
+            else:  # continued from retained memory without an agent (LETO_RESUME=retained): freed here only
+                _free(ro)
             self.retained = None
             self.leto_state.unbound()
 
 
-_FREED: weakref.WeakSet[RetainedOptimizer] = weakref.WeakSet()
-
-
 def _free(ro: RetainedOptimizer) -> None:
-    """Free a store nothing else will attach to (no agent): unlink and unmap, once."""
-    if ro in _FREED:
-        return
-    _FREED.add(ro)
+    """Free a store nothing else will attach to (no agent): unlink, and unmap once nothing views
+    it (the model's parameters stay valid memory while they live: ``SharedSegment.close``).
+
+    Run by a ``multiprocessing.util.Finalize`` -- not ``atexit``/``weakref.finalize``: a child of
+    ``multiprocessing`` (Accelerate's ``debug_launcher`` and ``notebook_launcher`` fork through
+    it) ends with ``os._exit`` after running these finalizers, never ``atexit``; the main process
+    runs them at exit too. A finalizer only runs in the process that registered it (a forked
+    child neither runs nor inherits its parent's)."""
     ro.store.unlink()
     ro.store.close()
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound to the accelerator), held weakly: what the accelerator gives the prepared
+    optimizer, loaders and store must not keep it alive (``del accelerator`` frees it at once)."""
+    return _WeakMethod(method)
+
+
+def _gone() -> None:
+    return None
+
+
+class _WeakMethod:
+    """A method of the accelerator, held weakly; picklable as Accelerate's prepared objects are
+    (an unpickled copy belongs to no accelerator)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._ref: Callable[[], Callable[..., Any] | None] = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._ref()
+        if bound is None:
+            raise UsageError(f"{WHO}: the accelerator that prepared this optimizer was deleted -- keep it while "
+                             "training")
+        return bound(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._ref = _gone

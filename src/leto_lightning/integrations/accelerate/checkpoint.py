@@ -14,38 +14,55 @@ writer drops tensors whose storage another tensor shares (every parameter but on
 ``"saved"``: captured in the loop's body after the step (or after an epoch's last batch), it
 needs nothing finished and puts the random state back before the next batch is fetched.
 
+**Reading.** Every file Leto reads here is data, never code: its own file through
+``torch.load(weights_only=True)`` (tensors, numbers, strings, containers -- the payload keeps
+the random states as plain values; ``register_for_checkpointing`` objects are left out, their
+state is in Accelerate's own ``custom_checkpoint_<i>.pkl`` and Accelerate puts it back), a
+``pytorch_model.bin`` likewise. A planted file is refused (``UnsafeCheckpoint``) before
+Accelerate reads anything, and nothing in it runs.
+
 **Loading**, after ``prepare()`` (where Accelerate users call it), on every rank:
 
-- in a fresh process, before its first optimizer step: the store is marked incomplete (a crash
-  from here on leaves nothing that passes for retained state), Accelerate loads the files --
-  weights land in the retained parameters, the optimizer's state in new tensors -- and the store
-  is initialised again from what was loaded, exactly as a new store is: values copied in, tier 1
+- before this process's first optimizer step (a new job from a checkpoint): the store is
+  marked incomplete (a crash from here on leaves nothing that passes for retained state),
+  Accelerate loads the files -- weights land in the retained parameters, the optimizer's state
+  in new tensors -- and the store is initialised again from what was loaded, exactly as a new
+  store is: values copied in (state the checkpoint lacks from zero, as torch's), tier 1
   encoded, the record committed at the saved iteration with the saved payload, tier 2 encoded
   across the node, the store marked complete. Then ``leto_resume()`` returns where the loop
-  continues (a directory without Leto's file, e.g. from a plain ``Accelerator``: the loaded
-  state is retained, ``leto_resume()`` returns None and the loop positions itself);
+  continues (optional: without it the loop positions itself, as with Accelerate; a directory
+  without Leto's file, e.g. from a plain ``Accelerator``: the loaded state is retained,
+  ``leto_resume()`` returns None);
+- after a step (reloading the best or an earlier checkpoint mid-run, as Accelerate allows): the
+  same initialisation, except that the job's iteration count goes on (the store's iteration
+  never goes back, so the agent's checkpoint records stay in order) and the committed payload
+  is the loop's position now, with the state just loaded: the loop continues where it is, as
+  with Accelerate, and a crash from here resumes there;
 - in a process that continues from retained memory (a promoted shadow, a trainer restarted on
-  the retained state): nothing is loaded -- retained memory is newer than any checkpoint -- so a
-  script that always calls ``load_state(args.resume_from)`` stays correct after a recovery;
-- after this process stepped: refused (a ``UsageError``), as the loaded state would replace
-  steps already committed.
+  the retained state), before its first step: nothing is loaded -- retained memory is newer
+  than any checkpoint -- so a script that always calls ``load_state(args.resume_from)`` stays
+  correct after a recovery.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
+import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from enum import Enum
 from typing import Any, Protocol
 
 import safetensors.torch
 import torch
 from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
 
-from ...errors import ConfigurationError, UsageError
+from ...errors import ConfigurationError
+from ...runtime.session import load_checkpoint_file
 from ...updater.retained_optimizer import encode_node_tier2
 from .payload import ResumableAccelerator, capture
 
@@ -53,7 +70,7 @@ log = logging.getLogger(__name__)
 
 SAVED = "saved"  # the payload kind of a checkpoint (module doc)
 FILE = "leto_state_{rank}.pt"
-VERSION = 1
+VERSION = 2  # 2: plain values only (loads with weights_only=True); version 1 held NumPy arrays
 
 
 class CheckpointedAccelerator(ResumableAccelerator, Protocol):
@@ -66,8 +83,8 @@ class CheckpointedAccelerator(ResumableAccelerator, Protocol):
     gradient_state: Any
     _train_loader: Any
     _leto_payload: Any
-    _leto_start_iteration: int
     _leto_from_checkpoint: bool
+    _leto_shown: Any
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any: ...
 
@@ -117,6 +134,7 @@ def saved_payload(acc: CheckpointedAccelerator) -> dict:
     pass ended (``save_state`` after an epoch's last batch), the next pass starts from here."""
     loader = acc._train_loader
     payload = capture(acc, SAVED, loader)
+    payload["custom"] = None  # in Accelerate's custom_checkpoint files, which it loads itself (module doc)
     where = payload["loader"]
     if where is not None and not any(ref is loader for ref in acc.gradient_state.dataloader_references):
         payload["loader"] = dict(where, yielded=0, epoch_rng=where["rng"])  # Accelerate counted the pass
@@ -129,8 +147,28 @@ def save(acc: CheckpointedAccelerator, output_dir: str) -> None:
     acc.leto_recovery_log.saved_iteration = acc.retained.iteration  # the newest checkpoint (kept_iterations)
     state = {"version": VERSION, "iteration": acc.retained.iteration, "payload": saved_payload(acc)}
     path = os.path.join(output_dir, FILE.format(rank=acc.process_index))
-    torch.save(state, path + ".tmp")
+    data = _loadable_bytes(state, path)
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
     os.replace(path + ".tmp", path)  # a crash while writing leaves the previous file, never half of one
+
+
+def _loadable_bytes(state: dict, path: str) -> bytes:
+    """``state`` serialised, checked to load with ``weights_only=True`` (as ``read`` will): a
+    value that would not is refused now, naming it, not when the checkpoint is needed."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln),
+                   type(exc).__name__)
+        raise ConfigurationError(f"{path}: the resume payload holds a value that is not a tensor or plain value "
+                                 f"({why}); a scheduler, GradScaler or param group setting of that type cannot be "
+                                 "checkpointed by LetoAccelerator -- keep their state to tensors, numbers, strings "
+                                 "and containers") from None
+    return data
 
 
 def resolve(acc: CheckpointedAccelerator, input_dir: str | None) -> str:
@@ -148,7 +186,7 @@ def read(directory: str, rank: int) -> dict | None:
     path = os.path.join(directory, FILE.format(rank=rank))
     if not os.path.exists(path):
         return None
-    state = torch.load(path, weights_only=False)  # this job's own file, written by save() above
+    state = load_checkpoint_file(path)  # weights_only=True: a planted pickle is refused, never run
     if not isinstance(state, dict) or state.get("version") != VERSION:
         raise ConfigurationError(f"{path}: not a Leto checkpoint file of version {VERSION} -- save the checkpoint "
                                  "again with this version of LetoAccelerator.save_state")
@@ -168,25 +206,28 @@ def weights_into_retained(strict: bool) -> Callable[[list, str], None]:
             if os.path.exists(safe):
                 weights = safetensors.torch.load_file(safe, device="cpu")
             else:
-                weights = torch.load(os.path.join(input_dir, f"{MODEL_NAME}{ending}.bin"), map_location="cpu")
+                weights = torch.load(os.path.join(input_dir, f"{MODEL_NAME}{ending}.bin"), map_location="cpu",
+                                     weights_only=True)
             model.load_state_dict(weights, strict=strict)
         models.clear()
 
     return load_weights
 
 
-def _loadable(acc: CheckpointedAccelerator, input_dir: str | None) -> bool:
-    """Whether ``load_state`` loads anything here (module doc); raises where it must not."""
-    if acc._leto_from_checkpoint:
-        raise UsageError("LetoAccelerator.load_state() twice: this process loaded a checkpoint already")
-    if acc.leto_state.continuing:
+class LoadKind(Enum):
+    """What ``load_state`` does in this process (module doc)."""
+
+    NOTHING = "nothing"  # continues from retained memory, newer than any checkpoint
+    RESTART = "restart"  # before this process's first step: the checkpoint's iteration and payload
+    RELOAD = "reload"  # after a step: the job's iteration goes on, the loop's position now
+
+
+def load_kind(acc: CheckpointedAccelerator, input_dir: str | None) -> LoadKind:
+    if acc.leto_state.retained_is_newest:
         log.info("LetoAccelerator.load_state(%s): this process continues from retained memory, which is newer "
                  "than any checkpoint: nothing loaded", input_dir)
-        return False
-    if acc.retained.iteration != acc._leto_start_iteration:
-        raise UsageError("LetoAccelerator.load_state() after an optimizer step: it would replace committed steps "
-                         "-- call it after prepare() and before the training loop")
-    return True
+        return LoadKind.NOTHING
+    return LoadKind.RESTART if acc.leto_state.before_first_step else LoadKind.RELOAD
 
 
 def _saved(acc: CheckpointedAccelerator, input_dir: str | None) -> tuple[str, dict | None]:
@@ -201,28 +242,38 @@ def _new_job_payload(saved: dict | None) -> object:
     return dict(saved["payload"], recovery_log={"saved": int(saved["iteration"])})
 
 
-def _loaded(acc: CheckpointedAccelerator, directory: str, iteration: int, payload: object) -> None:
-    acc._leto_start_iteration = iteration
-    if payload is not None:
-        acc._leto_payload = payload
-        acc._leto_from_checkpoint = True
-        acc.leto_state.loaded()
+def _loaded(acc: CheckpointedAccelerator, directory: str, iteration: int, payload: object, kind: LoadKind) -> None:
+    if kind == LoadKind.RESTART:
+        acc._leto_payload, acc._leto_from_checkpoint = payload, True
+        if payload is not None:
+            acc.leto_state.loaded()
+    elif acc.leto_state.boundary_due():
+        acc.leto_state.recorded()  # the committed payload is the loop's position now
+    if acc._leto_shown is not None:
+        acc._leto_shown.refresh()
     log.info("LetoAccelerator: loaded %s into retained memory at step %d%s", directory, iteration,
-             "" if payload is not None else " (no Leto payload: the loop positions itself)")
+             "" if kind == LoadKind.RELOAD or payload is not None else " (no Leto payload: the loop positions itself)")
 
 
 def load_fsdp2(acc: CheckpointedAccelerator, bound: Any, input_dir: str | None,
                load_files: Callable[[str | None], Any]) -> Any:
     """``load_state`` of local shards bound by ``updater.fsdp2``: Accelerate's own FSDP2 loader
     (distributed checkpoint) writes into the retained views inside ``bound.restoring``, which
-    keeps the store incomplete until it is initialised once from the loaded values."""
-    if not _loadable(acc, input_dir):
+    keeps the store incomplete until it is initialised once from the loaded values (state the
+    checkpoint lacks from zero)."""
+    kind = load_kind(acc, input_dir)
+    if kind == LoadKind.NOTHING:
         return None
-    directory, saved = _saved(acc, input_dir)
-    payload = _new_job_payload(saved)
-    with bound.restoring(iteration=int(saved["iteration"]) if saved is not None else None, payload=payload):
+    if kind == LoadKind.RESTART:
+        directory, saved = _saved(acc, input_dir)
+        iteration, payload = (int(saved["iteration"]) if saved is not None else None), _new_job_payload(saved)
+    else:
+        directory, iteration, payload = resolve(acc, input_dir), bound.iteration, None
+    with bound.restoring(iteration=iteration, payload=payload) as restore:
         result = load_files(input_dir)
-    _loaded(acc, directory, bound.iteration, payload)
+        if kind == LoadKind.RELOAD:
+            restore.payload = payload = saved_payload(acc)
+    _loaded(acc, directory, bound.iteration, payload, kind)
     return result
 
 
@@ -230,19 +281,22 @@ def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callab
          strict: bool = True) -> Any:
     """``load_state`` once bound (module doc); ``load_files``: Accelerate's own ``load_state``."""
     ro = acc.retained
-    if not _loadable(acc, input_dir):
+    kind = load_kind(acc, input_dir)
+    if kind == LoadKind.NOTHING:
         return None
-    directory, saved = _saved(acc, input_dir)
+    directory, saved = _saved(acc, input_dir) if kind == LoadKind.RESTART else (resolve(acc, input_dir), None)
     ro.store.clear_complete()  # weights are loaded into retained memory: incomplete until re-encoded
     handle = acc.register_load_state_pre_hook(weights_into_retained(strict))
     try:
         result = load_files(input_dir)
     finally:
         handle.remove()
-    iteration = int(saved["iteration"]) if saved is not None else 0
-    payload = _new_job_payload(saved)
-    ro.bind(adopt=False, iteration=iteration, payload=payload)  # the new-store path: copy in, encode, commit
+    if kind == LoadKind.RESTART:
+        iteration, payload = int(saved["iteration"]) if saved is not None else 0, _new_job_payload(saved)
+    else:
+        iteration, payload = ro.iteration, saved_payload(acc)
+    ro.reinitialise(iteration, payload)  # the new-store path: copy in, encode, commit (closed)
     encode_node_tier2(ro.store, acc._barrier())
     ro.store.mark_complete()
-    _loaded(acc, directory, iteration, payload)
+    _loaded(acc, directory, iteration, payload, kind)
     return result

@@ -15,6 +15,12 @@ A prepared loader (Accelerate's ``DataLoaderShard``) gets a subclass of its own 
   and discarded, so a costly dataset pays for them once), then restores the random state the
   crashed run had at that point.
 
+A loader holds its accelerator weakly (no reference cycle: ``del accelerator`` frees it, and its
+retained memory, at once) and drops that reference when pickled. A dispatching loader (Accelerate's
+``DataLoaderDispatcher``, the default for an ``IterableDataset``) gets the same subclass without
+``resumable``: its batches get the per-batch hook, and a step trained from it is refused (it cannot
+be put back at a position); evaluating or loading data with it is fine.
+
 Why drop batches instead of ``skip_first_batches``: the loop holds this very object (``for
 batch in train_dl``); a new loader would not be what it iterates. Prefetching: Accelerate
 fetches batch ``j + 1`` before yielding ``j``; the replay does the same, so the random state is
@@ -23,6 +29,7 @@ restored at the same place relative to the fetches.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,7 +64,8 @@ class Position:
 class _PositionedLoader:
     """Mixin placed before the prepared loader's class (see ``positioned``)."""
 
-    _leto_accelerator: BatchHooks
+    _leto_accelerator: weakref.ref
+    _leto_resumable: bool
     _leto_index: int
     _leto_yielded: int
     _leto_epoch_rng: dict | None
@@ -100,8 +108,16 @@ class _PositionedLoader:
         for sampler, seed in zip(self._leto_seeded_samplers(), state.get("seeds", ())):
             sampler.initial_seed = seed
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_leto_accelerator", None)  # a weak reference; an unpickled loader is a plain one
+        return state
+
     def __iter__(self) -> Iterator[Any]:
-        self._leto_accelerator._leto_iter_started(self)
+        if self._leto_accelerator() is None:  # the accelerator is gone: a plain loader
+            yield from super().__iter__()  # type: ignore[misc]
+            return
+        self._leto_hooks()._leto_iter_started(self)
         pending, self._leto_pending = self._leto_pending, None
         if pending is not None:
             self._leto_set_random_state(pending.epoch_rng)
@@ -122,9 +138,13 @@ class _PositionedLoader:
             if restore_at_yield is not None:
                 self._leto_set_random_state(restore_at_yield)
                 restore_at_yield = None
-            self._leto_accelerator._leto_before_batch(self)
+            self._leto_hooks()._leto_before_batch(self)
             self._leto_yielded += 1
             yield batch
+
+    def _leto_hooks(self) -> BatchHooks:
+        hooks = self._leto_accelerator()
+        return hooks if hooks is not None else _NO_HOOKS
 
     def leto_position(self) -> dict:
         """This pass's position now: its epoch (Accelerate's pass counter), the batches yielded so
@@ -134,12 +154,24 @@ class _PositionedLoader:
                 "yielded": self._leto_yielded, "epoch_rng": self._leto_epoch_rng, "rng": self._leto_random_state()}
 
 
+class _NoHooks:
+    """What a loader calls once its accelerator is gone: nothing."""
+
+    def _leto_iter_started(self, loader: Any) -> None:
+        pass
+
+    def _leto_before_batch(self, loader: Any) -> None:
+        pass
+
+
+_NO_HOOKS = _NoHooks()
 _END = object()
 _SET_CLASS = object.__dict__["__class__"].__set__
 
 
-def positioned(loader: Any, accelerator: BatchHooks, index: int) -> Any:
-    """Turn a prepared loader into its positioned subclass, in place (the same object)."""
+def positioned(loader: Any, accelerator: BatchHooks, index: int, resumable: bool = True) -> Any:
+    """Turn a prepared loader into its positioned subclass, in place (the same object);
+    ``resumable=False``: a loader that cannot be put back at a position (module doc)."""
     cls = type(loader)
     if isinstance(loader, _PositionedLoader):
         return loader
@@ -148,7 +180,8 @@ def positioned(loader: Any, accelerator: BatchHooks, index: int) -> Any:
     # Accelerate's adapter reports the wrapped DataLoader's class as ``__class__`` (a property
     # without a setter): set the real type through object's own slot.
     _SET_CLASS(loader, _CLASSES[cls])
-    loader._leto_accelerator = accelerator
+    loader._leto_accelerator = weakref.ref(accelerator)
+    loader._leto_resumable = resumable
     loader._leto_index = index
     loader._leto_yielded = 0
     loader._leto_epoch_rng = None
@@ -158,3 +191,9 @@ def positioned(loader: Any, accelerator: BatchHooks, index: int) -> Any:
 
 def is_positioned(loader: Any) -> bool:
     return isinstance(loader, _PositionedLoader)
+
+
+def is_resumable(loader: Any) -> bool:
+    """Whether a step trained from ``loader``'s batches can be resumed at its position (an
+    unprepared loader, or None: the loop positions itself, as before)."""
+    return not isinstance(loader, _PositionedLoader) or loader._leto_resumable

@@ -6,7 +6,8 @@ the payload recorded with each committed step:
 - ``step``: ``accelerator.step`` (Accelerate's micro-step counter, which decides the next sync);
 - ``hparams``: the optimizer's param-group settings (the LR schedulers' output);
 - ``schedulers``, ``scaler``, ``custom``: the state dicts of the prepared schedulers, the
-  GradScaler and every object given to ``register_for_checkpointing``;
+  GradScaler and every object given to ``register_for_checkpointing`` (``custom`` is None in a
+  checkpoint's payload: Accelerate saves and loads those objects itself);
 - ``rng``/``loader``: the random state and the data position (``loader.Position``).
 
 Two kinds. ``"prepare"`` is captured inside ``optimizer.step()`` when the transaction prepares
@@ -87,7 +88,7 @@ def restore(acc: ResumableAccelerator, payload: dict) -> ResumePoint:
         sched.scheduler.load_state_dict(state)
     if acc.scaler is not None and payload["scaler"] is not None:
         acc.scaler.load_state_dict(payload["scaler"])
-    for obj, state in zip(acc._custom_objects, payload["custom"]):
+    for obj, state in zip(acc._custom_objects, payload["custom"] or ()):  # None: a checkpoint's (Accelerate's own)
         obj.load_state_dict(state)
     acc.leto_recovery_log.restore(payload.get("recovery_log"))
     if payload["kind"] == PREPARE:
