@@ -122,6 +122,7 @@ class Agent:
                              pid=os.getpid())
             parts.trainers.start_actives(resume=ResumeMode.FRESH)
             parts.trainers.start_shadows()
+            parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
             self._advance(JobPhase.RUNNING)
             return self._loop(parts)
         except JobInterrupted as exc:
@@ -211,6 +212,7 @@ class Agent:
         parts = self._parts
         if parts is not None:
             parts.trainers.stop_all()
+            parts.trainers.close_template()
         for job in self.job.all_job_ids:
             unlink_segments(job)
         self.state_managers.shutdown()  # frees the retained device memory

@@ -83,6 +83,7 @@ class RuntimeConfig:
     extra_rules: tuple[ClassificationRule, ...] = ()
     unknown_is_hof: bool = True
     shadows: bool = True
+    warm_template: bool = True  # fork trainers from a process that imported the script's modules
     defer_shadow_restart: bool = True
     rules: tuple[ClassificationRule, ...] = field(default_factory=default_rules)
 

@@ -45,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shadow-level", type=int, choices=(1, 2, 3), default=3,
                    help="3: full pre-init, 2: device runtime only, 1: interpreter and imports")
     p.add_argument("--no-shadows", action="store_true", help="recover by starting new trainers (slower)")
+    p.add_argument("--no-warm-template", action="store_true",
+                   help="start every trainer from a new interpreter instead of forking it from a process "
+                        "that already imported the script's modules (docs/runtime.md)")
     p.add_argument("--max-failures", type=int, default=20, help="failures allowed within --failure-window")
     p.add_argument("--failure-window", type=float, default=3600.0)
     p.add_argument("--non-hof-exit-code", type=int, action="append", default=[],
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                   for c in args.non_hof_exit_code)
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
+                           warm_template=not args.no_warm_template,
                            max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
     return Agent(spec, config, reclaim=reclaim_config_from_args(args)).run()
 

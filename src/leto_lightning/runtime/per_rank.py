@@ -51,7 +51,7 @@ from datetime import timedelta
 
 from ..console import notice
 from ..errors import UsageError
-from .contract import FAULTS, NO_SUPERVISE, RUN_DIR
+from .contract import FAULTS, NO_SUPERVISE, RUN_DIR, SHADOWS, WARM_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,10 @@ def agent_argv(launch: RankLaunch, shadow_level: int, heartbeat_timeout: float, 
         argv += ["--external-store", "--store-prefix", launch.store_prefix]
     if env.get(FAULTS):  # injected faults (tests): the agent hands them to its trainers
         argv += ["--faults", env[FAULTS]]
+    if env.get(WARM_TEMPLATE) == "0":  # trainers from a new interpreter each (as before the template)
+        argv += ["--no-warm-template"]
+    if env.get(SHADOWS) == "0":  # recover by starting new trainers
+        argv += ["--no-shadows"]
     return [*argv, script, *args]
 
 

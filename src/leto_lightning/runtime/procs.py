@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from .contract import Role
+from .warm_template import ForkedProcess, WarmTemplate
 
 TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say why it failed
 
@@ -24,7 +25,7 @@ class TrainerProcess:
     role: Role
     generation: int
     shadow_set: str  # "<generation>-<replacement>" of a shadow's set ("" for an active trainer's start)
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     started_at: float = field(default_factory=time.time)
     _pump: threading.Thread | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
@@ -65,10 +66,14 @@ class TrainerProcess:
 
 
 def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role: Role, generation: int,
-          shadow_set: str, out: TextIO | None = None) -> TrainerProcess:
-    """Start one trainer; its output goes to ``out`` (default stdout) with a rank prefix."""
-    popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             bufsize=1, text=True, errors="replace", preexec_fn=_die_with_parent)
+          shadow_set: str, out: TextIO | None = None, template: WarmTemplate | None = None) -> TrainerProcess:
+    """Start one trainer -- forked from the node's warm ``template`` when it is ready, else a new
+    interpreter running ``cmd``; its output goes to ``out`` (default stdout) with a rank prefix."""
+    popen: subprocess.Popen | ForkedProcess | None = template.fork(cmd[1:], env) if template is not None else None
+    if popen is None:
+        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, bufsize=1, text=True, errors="replace",
+                                 preexec_fn=_die_with_parent)
     proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
     prefix = f"[rank {rank} {role.value} g{generation}] "
     proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout, proc.tail), daemon=True)

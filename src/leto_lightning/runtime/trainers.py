@@ -22,6 +22,7 @@ from .keys import FAULT_FIRED, HEARTBEAT, PROMOTE, SHADOW_READY, SHADOW_REPLACE,
 from .messages import Promotion
 from .procs import TrainerProcess, process_state, spawn
 from .spec import LaunchSpec
+from .warm_template import ForkedProcess, WarmTemplate
 from .worker_env import torchrun_variables
 
 
@@ -40,6 +41,8 @@ class Trainers:
         self.heartbeats: dict[int, tuple[bytes, float]] = {}  # rank -> (last heartbeat seen, when it changed)
         self.cuda_manager: Callable[[int], str] = lambda local_rank: ""  # the agent's state managers
         self._missing_reported: set[tuple[str, int]] = set()
+        self.template: WarmTemplate | None = None  # the node's warm template (runtime/template_server.py)
+        self._template_reported = False
 
     @property
     def shadow_level(self) -> int:
@@ -67,14 +70,40 @@ class Trainers:
     def pending_faults(self) -> list[dict]:
         return [f for f in self.spec.faults if not self.store.check([FAULT_FIRED.format(id=f["id"])])]
 
+    def start_template(self) -> None:
+        """The node's warm template, importing what the script imports while the first trainers
+        start; later trainers are forked from it once it is ready (``--no-warm-template``: never)."""
+        if self.config.warm_template and self.template is None and self.spec.script.endswith(".py"):
+            env = self.environment(0, Role.SHADOW, ResumeMode.FRESH)
+            self.template = WarmTemplate.start(self.spec.python, self.spec.script, env)
+
+    def _ready_template(self) -> WarmTemplate | None:
+        """The template if it can fork now; its report goes on record once (``warm_template``)."""
+        status = self.template.check() if self.template is not None else None
+        if status is not None and not self._template_reported:
+            self._template_reported = True
+            self.events.emit("warm_template", self.job.generation, ready=status.ready, reason=status.reason,
+                             import_s=status.import_s, modules=status.modules)
+            if not status.ready:
+                self.out.write(f"[leto] warm template unavailable ({status.reason}): trainers start from a new "
+                               "interpreter\n")
+        return self.template if status is not None and status.ready else None
+
+    def close_template(self) -> None:
+        if self.template is not None:
+            self.template.close()
+            self.template = None
+
     def _spawn(self, local_rank: int, role: Role, resume: ResumeMode) -> TrainerProcess:
         self.stop.check()  # nothing new starts once a stop was requested
         env = self.environment(local_rank, role, resume)
         gen = self.job.generation
+        template = self._ready_template()
         proc = spawn([self.spec.python, self.spec.script, *self.spec.args], env, int(env["RANK"]), local_rank, role,
-                     gen, self.shadow_set, self.out)
+                     gen, self.shadow_set, self.out, template)
         self.events.emit("process_started", gen, rank=proc.rank, role=role.value, pid=proc.pid,
-                         shadow_set=self.shadow_set if role is Role.SHADOW else None, resume=resume.value or None)
+                         shadow_set=self.shadow_set if role is Role.SHADOW else None, resume=resume.value or None,
+                         forked=isinstance(proc.popen, ForkedProcess))
         return proc
 
     def reset_heartbeats(self) -> None:
