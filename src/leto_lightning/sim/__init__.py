@@ -6,6 +6,7 @@ schema (``leto_lightning.recipes``, a pure module shared with the trainer).
 
 Modules: ``hardware`` (profiles), ``workload`` (recipes, parameter counts), ``iteration``
 (iteration time, memory), ``failures`` (MTTF, HOF share, traces), ``startup`` (start-up and
-recovery terms), ``systems`` (cost models), ``ettr`` (analytic + Monte Carlo), ``tuning``,
+recovery terms), ``systems`` (cost models), ``spares`` (hot spare nodes and tier 3 for
+``leto+spares``), ``ettr`` (analytic + Monte Carlo), ``tuning``,
 ``report`` (one simulation), ``validation``, ``tables``, ``plots``, ``cli``.
 """
