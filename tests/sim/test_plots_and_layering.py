@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from leto_lightning.sim.plots import fig10_hof
+from leto_lightning.sim.plots import fig10_hof, fig16_spares_hof
 from leto_lightning.sim.tables import markdown_table
 
 
@@ -20,3 +20,11 @@ def test_markdown_table() -> None:
 
 
 # What sim/ may import (only sim/, the recipe schema and errors; no torch): tests/test_layering.py.
+
+
+def test_fig16_spares_writes_a_png(tmp_path: Path) -> None:
+    data = fig16_spares_hof(tmp_path)
+    assert (tmp_path / "fig16_spares_hof.png").stat().st_size > 10_000
+    for comm in ("stock", "scalable"):
+        leto, spares = data[f"{comm}/leto"], data[f"{comm}/leto+spares"]
+        assert spares["1.0"] == leto["1.0"] and spares["0.0"] > leto["0.0"]  # type: ignore[index]

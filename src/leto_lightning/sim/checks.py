@@ -1,7 +1,8 @@
 """Input validation shared by the simulator's dataclasses.
 
-Every failed check raises ``ValueError`` whose message starts with ``name=value``, so a bad
-recipe field, CLI flag or override is named in the error the user sees.
+Every failed check raises ``ConfigurationError`` (``leto_lightning.errors``, a ``ValueError``)
+whose message starts with ``name=value``, so a bad recipe field, CLI flag or override is named in
+the error the user sees.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import math
 from typing import Any, NoReturn
 
+from leto_lightning.errors import ConfigurationError
+
 
 def fail(name: str, value: Any, why: str) -> NoReturn:
     """Raise the simulator's standard error for one offending value."""
-    raise ValueError(f"{name}={value!r} {why}")
+    raise ConfigurationError(f"{name}={value!r} {why}")
 
 
 def require(ok: bool, name: str, value: Any, why: str) -> None:
-    """Raise ``ValueError('name=value why')`` unless ``ok``."""
+    """Raise ``ConfigurationError('name=value why')`` unless ``ok``."""
     if not ok:
         fail(name, value, why)
 

@@ -7,6 +7,8 @@ Examples::
     leto simulate --recipe deepseek_v3 --gpus 65536 --gpu-mttf llama3 --json
     leto simulate --recipe kimi_moe --iteration-time 9.097 --interval gemini=11 --interval leto=32
     leto simulate --trace failures.csv --systems leto,gemini+
+    leto simulate --recipe deepseek_v4 --comm-init scalable --hof-ratio 0.5 \
+        --systems leto,leto+spares,gemini+,checkpoint --spares 2% --spare-repair 24h
     leto simulate --validate
 """
 
@@ -21,6 +23,7 @@ from leto_lightning.sim.checks import fail, int_at_least, require
 from leto_lightning.sim.failures import LLAMA3_GPU_MTTF_S, FailureModel, load_trace, parse_duration
 from leto_lightning.sim.hardware import BUILTIN_HARDWARE, get_hardware, parse_overrides
 from leto_lightning.sim.report import DAY_S, SimSettings, SimulationReport, format_report, simulate
+from leto_lightning.sim.spares import DEFAULT_JOIN_S, TIER3_MODES, SpareConfig, parse_spares
 from leto_lightning.sim.startup import COMM_INIT_MODES, StartupModel
 from leto_lightning.sim.systems import SYSTEM_NAMES, SystemKnobs, get_system
 from leto_lightning.sim.workload import BUILTIN_WORKLOADS, load_workload, with_parallelism
@@ -28,9 +31,10 @@ from leto_lightning.sim.workload import BUILTIN_WORKLOADS, load_workload, with_p
 _EPILOG = """\
 durations take a unit: s, m/min, h, d (a bare number is minutes for --mttf, hours for
 --gpu-mttf). --gpu-mttf llama3 uses Llama 3's rate (419 failures in 54 days on 16,384 GPUs).
-Systems: leto, gemini+, gemini, moevement, checkpoint. Knobs are tuned for ETTR unless fixed with
---interval SYSTEM=N (the checkpoint interval, or MoEvement's window W). Model and defaults:
-docs/simulator.md.
+Systems: leto, gemini+, gemini, moevement, checkpoint (the default set) and leto+spares (Leto
+with a pool of hot spare nodes for non-HOFs: --spares, --spare-repair, --spare-join, --tier3).
+Knobs are tuned for ETTR unless fixed with --interval SYSTEM=N (the checkpoint interval, or
+MoEvement's window W). Model and defaults: docs/simulator.md.
 """
 
 
@@ -85,6 +89,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--leto-tier2", action="store_true",
                    help="non-HOFs rebuild the lost device's state from tier-2 parity "
                         "(no rollback) instead of restarting from the checkpoint")
+    s.add_argument("--spares", default="2%", metavar="N|P%",
+                   help="leto+spares: hot spare nodes, a count or a share of the job's nodes "
+                        "rounded up (default: 2%%)")
+    s.add_argument("--spare-repair", default="24h", metavar="DURATION",
+                   help="leto+spares: time until a used spare's node is back in the pool "
+                        "(default: 24h; a bare number is hours)")
+    s.add_argument("--spare-join", type=float, default=DEFAULT_JOIN_S, metavar="SECONDS",
+                   help="leto+spares: the spare's ranks join the promoted shadows' "
+                        f"communicators (default: {DEFAULT_JOIN_S:g})")
+    s.add_argument("--tier3", default="auto", choices=TIER3_MODES,
+                   help="leto+spares: cross-node erasure code for state without a replica; auto "
+                        "keeps it where it raises ETTR (default: auto)")
     r = p.add_argument_group("simulation and output")
     r.add_argument("--days", type=float, help="simulated time per run (default: 30, or the "
                                               "trace's span)")
@@ -151,6 +167,12 @@ def _intervals(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _spares(args: argparse.Namespace) -> SpareConfig:
+    nodes, share = parse_spares(args.spares)
+    return SpareConfig(nodes=nodes, share=share, join_s=args.spare_join, tier3=args.tier3,
+                       repair_s=parse_duration(args.spare_repair, "--spare-repair", default_unit="h"))
+
+
 def _report(args: argparse.Namespace) -> SimulationReport:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -167,7 +189,8 @@ def _report(args: argparse.Namespace) -> SimulationReport:
     if failures.trace is None:
         _check_work(failures, days)
     settings = SimSettings(days * DAY_S, args.runs, args.seed, not args.no_monte_carlo)
-    knobs = SystemKnobs(leto_fallback=args.leto_fallback, leto_tier2=args.leto_tier2)
+    knobs = SystemKnobs(leto_fallback=args.leto_fallback, leto_tier2=args.leto_tier2,
+                        spares=_spares(args))
     systems = [s for s in args.systems.split(",") if s.strip()]
     return simulate(workload, hardware, failures, systems, _intervals(args.interval), settings,
                     startup=StartupModel(comm_init=args.comm_init), knobs=knobs,

@@ -12,6 +12,8 @@ The process both implement (one job, wall-clock time):
 - A mode that uses the L3 shadow pool pays ``max(0, S - X)`` extra, where S is the pool's
   rebuild time and X the time since the previous chain ended (X = 0 inside a chain).
 - ETTR = useful iterations x fault-free iteration time / wall-clock time.
+- With a spare pool (``leto+spares``) the analytic model draws "spare found" with Erlang's
+  probability; the Monte Carlo replays the pool failure by failure (``SparePlan.found_spare``).
 
 The analytic model solves the renewal equations of one checkpoint segment exactly for fixed
 recovery costs (first-step analysis per unit, closed-form over the segment's identical
@@ -193,12 +195,18 @@ def _advance(done: np.ndarray, ckpt: np.ndarray, tau: np.ndarray,
     return np.where(fin, new_ckpt + tail, partial), new_ckpt
 
 
-def _mode_index(hof: np.ndarray, u: np.ndarray, schedule: Schedule) -> tuple[np.ndarray, list]:
+def _mode_index(times: np.ndarray, hof: np.ndarray, u: np.ndarray,
+                schedule: Schedule) -> tuple[np.ndarray, list]:
+    """Each failure's recovery mode: drawn with the schedule's probabilities, except that with
+    a spare pool a non-HOF takes the spare mode exactly when the replayed pool has a spare."""
     modes = [m for _, m in schedule.hof_modes] + [m for _, m in schedule.nonhof_modes]
     cum_h = np.cumsum([p for p, _ in schedule.hof_modes])
     cum_n = np.cumsum([p for p, _ in schedule.nonhof_modes])
     ih = np.minimum(np.searchsorted(cum_h, u, side="right"), len(cum_h) - 1)
     inn = np.minimum(np.searchsorted(cum_n, u, side="right"), len(cum_n) - 1) + len(cum_h)
+    pool = schedule.spares
+    if pool is not None and pool.usable:   # nonhof_modes = (spare found, pool empty)
+        inn = np.where(pool.found_spare(times, ~hof), len(cum_h), len(cum_h) + 1)
     return np.where(hof, ih, inn), modes
 
 
@@ -210,7 +218,7 @@ def monte_carlo(schedule: Schedule, failures: FailureModel, horizon_s: float, ru
     positive("horizon", horizon_s)
     rng = np.random.default_rng(seed)
     times, hof = failures.sample(runs, horizon_s, rng)
-    idx, modes = _mode_index(hof, rng.random(times.shape), schedule)
+    idx, modes = _mode_index(times, hof, rng.random(times.shape), schedule)
     dur = np.array([m.duration_s for m in modes])
     replay = np.array([m.replay_s for m in modes])
     sh = np.array([m.uses_shadow for m in modes])

@@ -8,7 +8,7 @@ returns a ``SimulationReport`` that renders as a text table or as JSON.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from leto_lightning.sim.checks import int_at_least, positive, require
 from leto_lightning.sim.ettr import AnalyticResult, MonteCarloResult, analytic, monte_carlo
@@ -22,7 +22,15 @@ from leto_lightning.sim.iteration import (
     memory_per_gpu,
 )
 from leto_lightning.sim.startup import StartupModel
-from leto_lightning.sim.systems import SYSTEM_NAMES, Schedule, SystemContext, SystemKnobs, get_system, shadow_level
+from leto_lightning.sim.systems import (
+    SYSTEM_NAMES,
+    Schedule,
+    SystemContext,
+    SystemKnobs,
+    SystemModel,
+    get_system,
+    shadow_level,
+)
 from leto_lightning.sim.tuning import tune
 from leto_lightning.sim.workload import Workload
 
@@ -81,7 +89,7 @@ def schedule_dict(s: Schedule) -> dict[str, object]:
              for p, m in table if p > 0]
     return {"interval": s.interval, "iteration_s": s.iteration_s, "reference_s": s.reference_s,
             "checkpoint_s": s.checkpoint_s, "shadow_rebuild_s": s.shadow_rebuild_s,
-            "modes": modes}
+            "modes": modes, **({"spares": s.spares.as_dict()} if s.spares else {})}
 
 
 @dataclass(frozen=True)
@@ -141,22 +149,32 @@ def make_context(workload: Workload, hardware: HardwareProfile, *,
 
 def evaluate(ctx: SystemContext, system: str, failures: FailureModel,
              param: int | None = None, settings: SimSettings = SimSettings()) -> SystemResult:
-    """Tune (unless ``param`` is given) and evaluate one system."""
+    """Tune (unless ``param`` is given) and evaluate one system; of the configurations it
+    offers (``SystemModel.contexts``) the best analytic ETTR wins."""
     model = get_system(system)
     reason = model.supported(ctx)
     if reason:
         return SystemResult(model.name, reason=reason)
+    ctx = replace(ctx, failures=failures)
+    candidates = [_expectation(model, c, failures, param) for c in model.contexts(ctx)]
+    best = max(candidates, key=lambda r: r.analytic.ettr if r.analytic else -1.0)
+    if settings.monte_carlo and best.schedule is not None:
+        best = replace(best, mc=monte_carlo(best.schedule, failures, settings.horizon_s,
+                                            settings.runs, settings.seed))
+    return best
+
+
+def _expectation(model: SystemModel, ctx: SystemContext, failures: FailureModel,
+                 param: int | None) -> SystemResult:
+    """One configuration: its knob (tuned unless given), schedule and analytic ETTR."""
     young, tuned = None, param is None
     if param is None:
         best = tune(model, ctx, failures.mttf_s, failures.hof_ratio)
         param, young = best.param, best.young
     schedule = model.schedule(ctx, param)
     expected = analytic(schedule, failures.mttf_s, failures.hof_ratio)
-    runs = None
-    if settings.monte_carlo:
-        runs = monte_carlo(schedule, failures, settings.horizon_s, settings.runs, settings.seed)
     return SystemResult(model.name, knob=model.knob, param=param, tuned=tuned, young=young,
-                        schedule=schedule, analytic=expected, mc=runs)
+                        schedule=schedule, analytic=expected)
 
 
 def simulate(workload: Workload, hardware: HardwareProfile, failures: FailureModel,
@@ -206,6 +224,10 @@ def summary_lines(report: SimulationReport) -> list[str]:
     if report.settings.monte_carlo:
         s = report.settings
         lines.append(f"monte carlo {s.runs} runs x {_fmt_duration(s.horizon_s)}, seed {s.seed}")
+    for r in report.results:
+        if r.schedule is not None and r.schedule.spares is not None:
+            lines += [f"{'spares' if k == 0 else '':<10} {text}"
+                      for k, text in enumerate(r.schedule.spares.describe())]
     return lines
 
 

@@ -20,22 +20,30 @@ Systems (``docs/design.md`` section 2.7; the Leto paper's Tables 3/4, docs/sim/m
   recompute the interrupted iteration); non-HOFs (and HOFs whose in-place recovery falls back)
   take the spare-based path: a Gemini+-style restart from the in-memory checkpoint, or with
   ``leto_tier2`` a rebuild of the lost device's state from tier-2 parity with no rollback.
+- ``leto+spares``: Leto with a pool of hot spare nodes (``spares.py``): a non-HOF that finds a
+  spare moves the lost node's ranks to it, which receives their state from replicas (or
+  rebuilds it from tier-3 parity) while the other nodes recover in place as after a HOF; no
+  rollback. A non-HOF that finds the pool empty takes Leto's path. Not in the default list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from leto_lightning.errors import UsageError
 from leto_lightning.sim.checks import fail, fraction, int_at_least, non_negative, require
+from leto_lightning.sim.failures import FailureModel
 from leto_lightning.sim.hardware import HardwareProfile
 from leto_lightning.sim.iteration import IterationBreakdown, checkpoint_bytes_per_gpu, memory_per_gpu
+from leto_lightning.sim.spares import SpareConfig, SparePlan, plan, tier3_choices
 from leto_lightning.sim.startup import StartupModel
 from leto_lightning.sim.workload import Workload
 
 ROLLBACKS = ("iteration", "checkpoint")
-SYSTEM_NAMES = ("leto", "gemini+", "gemini", "moevement", "checkpoint")
-SYSTEM_ALIASES = {"gemini-plus": "gemini+", "geminiplus": "gemini+", "cr": "checkpoint",
+SYSTEM_NAMES = ("leto", "gemini+", "gemini", "moevement", "checkpoint")   # the default set
+SYSTEM_ALIASES = {"leto-spares": "leto+spares", "letospares": "leto+spares",
+                  "gemini-plus": "gemini+", "geminiplus": "gemini+", "cr": "checkpoint",
                   "checkpoint-restart": "checkpoint", "ckpt": "checkpoint"}
 # Shadow pre-init memory (assumption): L3 holds a CUDA context (~0.5 GB) and the shadows' own
 # communicator buffers (~2.5 GB; NCCLX reports 10+ GB when many communicators coexist), L2 only
@@ -90,6 +98,8 @@ class Schedule:
     hof_modes: Modes
     nonhof_modes: Modes
     shadow_rebuild_s: float = 0.0
+    spares: SparePlan | None = None   # leto+spares: the pool; when usable, ``nonhof_modes`` is
+    #                                   (spare found, pool empty) and the Monte Carlo replays it
 
     def __post_init__(self) -> None:
         int_at_least("interval", self.interval, 1)
@@ -100,6 +110,9 @@ class Schedule:
         non_negative("shadow_rebuild_s", self.shadow_rebuild_s)
         _check_modes("hof_modes", self.hof_modes)
         _check_modes("nonhof_modes", self.nonhof_modes)
+        if self.spares is not None and self.spares.usable:
+            require(len(self.nonhof_modes) == 2, "nonhof_modes", len(self.nonhof_modes),
+                    "must be (spare found, pool empty) with a spare pool")
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,7 @@ class SystemKnobs:
     moevement_hidden: float = 0.6    # share of the sparse snapshot hidden behind compute
     #                                  (calibrated to Table 4 with the replay factor)
     max_interval: int = 10_000       # largest checkpoint interval the tuner considers
+    spares: SpareConfig = field(default_factory=SpareConfig)   # leto+spares' pool and tier 3
 
     def __post_init__(self) -> None:
         fraction("leto_fallback", self.leto_fallback)
@@ -136,6 +150,7 @@ class SystemContext:
     iteration_s: float                 # reference iteration time (modelled or measured)
     startup: StartupModel = field(default_factory=StartupModel)
     knobs: SystemKnobs = field(default_factory=SystemKnobs)
+    failures: FailureModel | None = None   # set by the evaluator; read by leto+spares' pool
 
     @property
     def n_gpus(self) -> int:
@@ -240,6 +255,34 @@ def _leto(ctx: SystemContext, interval: int) -> Schedule:
                      nonhof_modes=_same(nonhof), shadow_rebuild_s=rebuild_s)
 
 
+def _leto_spares(ctx: SystemContext, interval: int) -> Schedule:
+    """Leto, and a non-HOF that finds a hot spare recovers like a HOF plus the spare's join and
+    state transfer, keeping progress; a non-HOF that finds the pool empty takes Leto's path."""
+    if ctx.failures is None:
+        raise UsageError("leto+spares needs the failure rate to size its spare pool: evaluate it "
+                         "with report.evaluate, or set SystemContext.failures")
+    base = _leto(ctx, interval)
+    f = ctx.failures
+    pool = plan(ctx.knobs.spares, ctx.workload, ctx.hardware, f.rate_per_s * (1 - f.hof_ratio))
+    if not pool.usable:
+        return replace(base, system="leto+spares", spares=pool)
+    inplace, fallback = leto_inplace_mode(ctx), base.nonhof_modes[0][1]
+    what = "tier-3 rebuild" if pool.tier3 else "replica copy"
+    spare = RecoveryMode(f"hot spare + {what}", inplace.init_s + pool.join_s, pool.transfer_s,
+                         rollback="iteration", uses_shadow=inplace.uses_shadow)
+    empty = replace(fallback, name=f"{fallback.name} (pool empty)")
+    return replace(base, system="leto+spares", iteration_s=base.iteration_s + pool.encode_s,
+                   nonhof_modes=((1.0 - pool.blocking, spare), (pool.blocking, empty)),
+                   spares=pool)
+
+
+def _spare_contexts(ctx: SystemContext) -> tuple[SystemContext, ...]:
+    """leto+spares with tier 3 off and on (``--tier3 auto`` where some state has no replica)."""
+    cfg = ctx.knobs.spares
+    return tuple(replace(ctx, knobs=replace(ctx.knobs, spares=replace(cfg, tier3="on" if on else "off")))
+                 for on in tier3_choices(cfg, ctx.workload, ctx.hardware))
+
+
 @dataclass(frozen=True)
 class SystemModel:
     """A named system: which knob it tunes and how to build its schedule."""
@@ -248,6 +291,7 @@ class SystemModel:
     knob: str                                          # "interval" or "window"
     build: Callable[[SystemContext, int], Schedule]
     moe_only: bool = False
+    variants: Callable[[SystemContext], tuple[SystemContext, ...]] | None = None
 
     def supported(self, ctx: SystemContext) -> str | None:
         """None if the system supports the workload, else why not."""
@@ -255,6 +299,11 @@ class SystemModel:
             return ("checkpoints experts sparsely; a dense model is not supported "
                     "(paper Table 4: '-')")
         return None
+
+    def contexts(self, ctx: SystemContext) -> tuple[SystemContext, ...]:
+        """Configurations the evaluator compares, the best ETTR winning (the first on a tie):
+        one, unless the system has a choice to make (leto+spares: tier 3 off or on)."""
+        return self.variants(ctx) if self.variants else (ctx,)
 
     def max_param(self, ctx: SystemContext) -> int:
         return ctx.knobs.moevement_max_window if self.knob == "window" else ctx.knobs.max_interval
@@ -266,6 +315,7 @@ class SystemModel:
 
 SYSTEMS: dict[str, SystemModel] = {
     "leto": SystemModel("leto", "interval", _leto),
+    "leto+spares": SystemModel("leto+spares", "interval", _leto_spares, variants=_spare_contexts),
     "gemini+": SystemModel("gemini+", "interval", _gemini_plus),
     "gemini": SystemModel("gemini", "interval", _gemini),
     "moevement": SystemModel("moevement", "window", _moevement, moe_only=True),

@@ -5,6 +5,7 @@
 - Table 6 analog: predicted vs measured iteration time (``docs/sim/measured.json``).
 - ETTR validation: predicted vs measured ETTR of fault-injection results.
 - Headline: DeepSeek-V4 on 131,072 GPUs, MTTF 10 minutes, across HOF ratios.
+- Hot spare nodes (``leto+spares``): how its ETTR depends on the pool, repair and join times.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 
 from leto_lightning.sim.failures import FailureModel
 from leto_lightning.sim.hardware import get_hardware
-from leto_lightning.sim.report import SimSettings, evaluate, make_context
+from leto_lightning.sim.report import DAY_S, SimSettings, evaluate, make_context
+from leto_lightning.sim.spares import SpareConfig
 from leto_lightning.sim.startup import StartupModel
 from leto_lightning.sim.systems import SystemKnobs, get_system
 from leto_lightning.sim.tuning import tune
@@ -160,3 +162,50 @@ def dsv4_headline_table(tier2: bool = False) -> str:
     return markdown_table(("hardware", "comm init", "HOF share", "iteration s", "Leto ETTR",
                            "Leto s/failure", "shadow wait s", "Gemini+ ETTR",
                            "Leto − Gemini+ (pts)"), rows)
+
+
+def _spare_cases(join_rebuild_s: float) -> list[tuple[str, SpareConfig]]:
+    return [("default: 2% of the nodes, 24 h repair, 2 s join, tier 3 auto", SpareConfig()),
+            ("no spare nodes", SpareConfig(nodes=0)),
+            ("8 spare nodes", SpareConfig(nodes=8)),
+            ("64 spare nodes", SpareConfig(nodes=64)),
+            ("1% of the nodes, 7-day repair", SpareConfig(share=0.01, repair_s=7 * DAY_S)),
+            (f"join = a full communicator init ({join_rebuild_s:.0f} s)",
+             SpareConfig(join_s=join_rebuild_s)),
+            ("tier 3 off", SpareConfig(tier3="off"))]
+
+
+def spares_sensitivity(hardware: str = "a100", comm: str = "scalable",
+                       hof_ratio: float = 0.5) -> list[dict[str, object]]:
+    """DeepSeek-V4, 131,072 GPUs, MTTF 10 min: leto+spares under other pool settings."""
+    wl = load_workload("deepseek_v4")
+    startup = StartupModel(comm_init=comm)
+    failures = FailureModel(600.0, hof_ratio)
+    analytic_only = SimSettings(monte_carlo=False)
+    join_rebuild = startup.comm_init_s(wl.n_gpus) + startup.rendezvous_s(wl.n_gpus)
+    out: list[dict[str, object]] = []
+    for label, cfg in _spare_cases(join_rebuild):
+        ctx = make_context(wl, get_hardware(hardware), startup=startup,
+                           knobs=SystemKnobs(spares=cfg))
+        leto = evaluate(ctx, "leto", failures, settings=analytic_only)
+        spares = evaluate(ctx, "leto+spares", failures, settings=analytic_only)
+        assert leto.analytic and spares.analytic and spares.schedule and spares.schedule.spares
+        plan = spares.schedule.spares
+        mode = spares.schedule.nonhof_modes[0][1] if plan.usable else None
+        out.append({"setting": label, "nodes": plan.nodes, "blocking": plan.blocking,
+                    "spare_recovery_s": mode.duration_s if mode else None,
+                    "tier3": plan.tier3, "interval": spares.param,
+                    "leto+spares": spares.analytic.ettr, "leto": leto.analytic.ettr})
+    return out
+
+
+def spares_sensitivity_table(**kw: object) -> str:
+    rows = []
+    for r in spares_sensitivity(**kw):  # type: ignore[arg-type]
+        rec = r["spare_recovery_s"]
+        rows.append((r["setting"], f"{r['nodes']:,}", f"{r['blocking']:.3g}",
+                     "–" if rec is None else f"{rec:.1f}", "on" if r["tier3"] else "off",
+                     _pct(r["leto+spares"]), _pct(r["leto"]),  # type: ignore[arg-type]
+                     f"{100 * (r['leto+spares'] - r['leto']):+.1f}"))  # type: ignore[operator]
+    return markdown_table(("setting", "spare nodes", "P(pool empty)", "spare recovery s (w/o shadow wait)",
+                           "tier 3", "leto+spares ETTR", "leto ETTR", "gain (pts)"), rows)
