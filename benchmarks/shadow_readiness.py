@@ -42,7 +42,7 @@ FAULT = {"id": 0, "rank": 1, "iteration": 6, "point": "chunk.math_done", "wait_s
 CASES = {
     "plain": (EXAMPLES / "plain_ddp.py", ["--iterations", "30", "--sleep", "0.3"]),
     "lightning": (EXAMPLES / "lightning_tiny.py", ["--max-steps", "30", "--sleep", "0.3", "--checkpoint-every", "0"]),
-    "accelerate": (EXAMPLES / "accelerate_train.py", ["--epochs", "3", "--sleep", "0.1"]),
+    "accelerate": (EXAMPLES / "accelerate_train.py", ["--epochs", "4", "--sleep", "0.25"]),
 }
 
 

@@ -13,7 +13,7 @@ import signal as _signal
 from dataclasses import dataclass, field
 
 from .config import ClassificationRule, RuntimeConfig
-from .messages import Verdict
+from .messages import TrainerPhase, Verdict
 from .xid import xid_verdict
 
 
@@ -27,7 +27,7 @@ class Failure:
     exception: str | None = None
     hang: bool = False
     iteration: int | None = None
-    phase: str | None = None
+    phase: TrainerPhase | None = None  # the last heartbeat's
     detected_at: float = 0.0
     last_heartbeat: float | None = None
     remote_verdict: Verdict | None = None  # set when another node's agent classified it

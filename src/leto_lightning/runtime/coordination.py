@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .control import SignedStore
-from .keys import JOB_ID, NODE_STEP
+from .keys import JOB_ID, NODE_DONE, NODE_STEP
 from .phases import JobInterrupted, JobStopped
 from .spec import LaunchSpec
 
@@ -111,6 +111,7 @@ class NodeLockstep:
         """Node 0 hosts the store: it stays up until every node's trainers finished."""
         if self.spec.nnodes == 1:
             return
-        self.store.set(f"done/{self.spec.node_rank}", "1")
+        self.store.set(NODE_DONE.format(node=self.spec.node_rank), "1")
         if self.spec.node_rank == 0:
-            self.wait_keys([f"done/{n}" for n in range(self.spec.nnodes)], "every node's trainers to finish")
+            every_node = [NODE_DONE.format(node=n) for n in range(self.spec.nnodes)]
+            self.wait_keys(every_node, "every node's trainers to finish")

@@ -12,6 +12,7 @@ FAULT_FIRED = "fault/{id}"  # an injected fault already fired (never fire twice)
 PG_PREFIX = "pg/{name}/"  # process-group namespace: "g0" for the first actives, "s<sgen>" for shadows
 STORE_READY = "stores/{job}/{rank}"  # the retained store of a rank exists and is encoded
 FIRST_DONE = "first/{gen}/{rank}"  # time the first iteration of a generation completed on a rank
+NODE_DONE = "done/{node}"  # a node's trainers all finished: node 0 keeps the store up until every node's is set
 SHADOWS_READY = "shadows/ready"  # the shadow set that is ready to be promoted now ("" if none)
 FAILURE = "failure/{gen}"  # json {rank, hof, reason, node}: the job-wide verdict on generation gen's failure
 NODE_STEP = "node/{gen}/{step}/{node}"  # a node reached a lockstep point of a recovery (value: its data)

@@ -30,7 +30,7 @@ import time
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
-from .messages import FirstDone, ResumeInfo
+from .messages import FirstDone, ResumeInfo, TrainerPhase
 from .session import Session, SessionEnv, await_key, init
 
 _SESSION: Session | None = None
@@ -127,16 +127,16 @@ class RuntimeLink:
 
     # -- progress --------------------------------------------------------------------------------
     def batch_start(self, iteration: int) -> None:
-        self.connect().heartbeat(iteration, "compute")
+        self.connect().heartbeat(iteration, TrainerPhase.COMPUTE)
         self._last_beat = time.time()
         point("compute.begin", iteration=iteration)
 
     def update_start(self, iteration: int) -> None:
-        self.connect().heartbeat(iteration, "update")
+        self.connect().heartbeat(iteration, TrainerPhase.UPDATE)
 
     def step_done(self, iteration: int) -> None:
         s = self.connect()
-        s.heartbeat(iteration, "done")
+        s.heartbeat(iteration, TrainerPhase.DONE)
         self._last_beat = time.time()
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
@@ -144,10 +144,11 @@ class RuntimeLink:
                         FirstDone(t=time.time(), it=iteration).to_json())
 
     def alive(self, iteration: int, phase: str) -> None:
-        """Between steps (validation, checkpoints): a heartbeat at most every interval."""
+        """Between steps (validation, checkpoints): a heartbeat at most every interval
+        (``phase``: a ``TrainerPhase`` value)."""
         now = time.time()
         if now - self._last_beat >= self.heartbeat_interval:
-            self.connect().heartbeat(iteration, phase)
+            self.connect().heartbeat(iteration, TrainerPhase(phase))
             self._last_beat = now
 
     def report_exception(self, exception: BaseException) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
 
 from ..errors import InternalError
@@ -29,21 +30,36 @@ def _fields(raw: bytes | str, what: str) -> dict[str, Any]:
     return value
 
 
+class TrainerPhase(str, Enum):
+    """Where an active trainer is in its iteration, as its heartbeat says: a failure in
+    ``COMPUTE`` loses that iteration's forward/backward (redone), one in ``UPDATE`` is rolled
+    forward or back by the chunk transactions, ``DONE`` is between iterations."""
+
+    COMPUTE = "compute"
+    UPDATE = "update"
+    DONE = "done"
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     t: float  # when the trainer sent it (Unix seconds)
     it: int  # the iteration it is in
-    phase: str  # "compute", "update" or "done"
+    phase: TrainerPhase
     pid: int
     gen: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", TrainerPhase(self.phase))  # a phase name: one of the enum's, or refused
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(dict(asdict(self), phase=self.phase.value))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Heartbeat | None:
         """None for the empty value the agent writes before a trainer's first heartbeat."""
-        return cls(**_fields(raw, "heartbeat")) if raw else None
+        if not raw:
+            return None
+        return cls(**_fields(raw, "heartbeat"))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
 from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
-from .messages import FirstDone, ResumeInfo, Verdict
+from .messages import FirstDone, ResumeInfo, TrainerPhase, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
@@ -175,7 +175,7 @@ class Recovery:
         last = self._wait_resumed(timing, t2)
         if isinstance(last, Failure):
             return last
-        lost = failure.iteration is not None and failure.phase == "compute"
+        lost = failure.iteration is not None and failure.phase is TrainerPhase.COMPUTE
         resume_it = repaired.resume_iteration
         self._books = RecoveryBooks(
             timing=timing, t_fail=t_fail, resume_iteration=resume_it, failed_iteration=failure.iteration,

@@ -55,7 +55,7 @@ from .keys import (
     SHADOWS_READY,
     STORE_READY,
 )
-from .messages import FirstDone, Heartbeat, Promotion, ResumeInfo
+from .messages import FirstDone, Heartbeat, Promotion, ResumeInfo, TrainerPhase
 from .storage import atomic_torch_save, open_run_dir_file, run_dir_path
 
 
@@ -279,7 +279,7 @@ class Session:
         self.store.set(FINISHED.format(gen=self.env.generation, rank=self.rank), str(time.time()))
 
     # -- progress ------------------------------------------------------------------------
-    def heartbeat(self, iteration: int, phase: str) -> None:
+    def heartbeat(self, iteration: int, phase: TrainerPhase) -> None:
         self._iteration = iteration
         beat = Heartbeat(t=time.time(), it=iteration, phase=phase, pid=os.getpid(), gen=self.env.generation)
         self.store.set(HEARTBEAT.format(rank=self.rank), beat.to_json())
@@ -355,7 +355,7 @@ class ProtectedTraining:
     def begin(self, iteration: int) -> None:
         if iteration != self.optimizer.iteration:
             raise RuntimeError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
-        self.session.heartbeat(iteration, "compute")
+        self.session.heartbeat(iteration, TrainerPhase.COMPUTE)
         (self.sharded or self.optimizer).zero_grad()  # FSDP2: the DTensor grads point at their views again
         point("compute.begin", iteration=iteration)
 
@@ -372,12 +372,12 @@ class ProtectedTraining:
 
     def step(self, payload: object = None) -> None:
         self._next_payload = payload
-        self.session.heartbeat(self.optimizer.iteration, "update")
+        self.session.heartbeat(self.optimizer.iteration, TrainerPhase.UPDATE)
         if self.sharded is not None:  # through the optimizer: an LR scheduler built on it sees the step
             self.sharded.optimizer.step()
         else:
             self.optimizer.step()
-        self.session.heartbeat(self.optimizer.iteration - 1, "done")
+        self.session.heartbeat(self.optimizer.iteration - 1, TrainerPhase.DONE)
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
             done = FirstDone(t=time.time(), it=self.optimizer.iteration - 1)

@@ -130,6 +130,7 @@ class Trainers:
 
     # -- shadows ---------------------------------------------------------------------------------
     def publish_shadow_readiness(self) -> None:
+        self._ready_template()  # the template's report on record as soon as it is in
         ranks = range(self.spec.world_size)  # a shadow set is one process group across all nodes
         published = self.store.read(SHADOWS_READY)
         if published is None:  # the agent wrote it: someone deleted it (or overwrote it with a forgery)

@@ -100,12 +100,13 @@ class WarmTemplate:
 
     def check(self) -> TemplateStatus | None:
         """The template's report once it is in (without waiting); None while it still imports."""
-        if self.status is None and self.popen.poll() is not None:
-            self.status = TemplateStatus(False, f"the template exited ({self.popen.returncode})")
+        exited = self.popen.poll() is not None  # before looking: what it sent before exiting is in the socket
         if self.status is None and select.select([self.sock], [], [], 0)[0]:
             said = json.loads(self.sock.recv(1 << 16) or b'{"ready": false, "reason": "it closed its socket"}')
             self.status = TemplateStatus(said["ready"], said.get("reason"), said.get("import_s", 0.0),
                                          said.get("modules", 0))
+        if self.status is None and exited:
+            self.status = TemplateStatus(False, f"the template exited ({self.popen.returncode})")
         return self.status
 
     def fork(self, argv: list[str], env: Mapping[str, str]) -> ForkedProcess | None:
