@@ -23,11 +23,13 @@ from leto_lightning.testing.crash import run_in_child
 SCRIPT = textwrap.dedent('''
     import json, os, sys, time
     import colorsys  # imported by the template before any trainer
+    import numpy
 
     def main():
         import textwrap  # imported in a function body: the template imports it too
         print(json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"),
-                          "ppid": os.getppid(), "path0": sys.path[0], "preloaded": "colorsys" in sys.modules}),
+                          "ppid": os.getppid(), "path0": sys.path[0], "preloaded": "colorsys" in sys.modules,
+                          "numpy_draw": int(numpy.random.randint(1 << 30))}),
               flush=True)
         if sys.argv[1] == "sleep":
             time.sleep(60)
@@ -80,6 +82,8 @@ def test_a_forked_trainer_runs_the_script_as_python_would(tmp_path: Path) -> Non
     assert seen["3"]["code"] == 3
     assert seen["raise"]["code"] == 1 and seen["raise"]["lines"][-1] == "RuntimeError: boom from the script"
     assert seen["sleeper_said"]["ppid"] == seen["agent"] and seen["killed"] == -signal.SIGKILL
+    # NumPy's global generator is seeded per trainer, as in a fresh interpreter, not copied
+    assert said["numpy_draw"] != seen["sleeper_said"]["numpy_draw"]
     assert seen["template_code"] == 0 and not is_alive(seen["template_pid"])
 
 

@@ -136,7 +136,7 @@ def _become_trainer(sock: socket.socket, request: dict, out_fd: int, agent: int)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    random.seed()  # as a fresh interpreter: not the template's state
+    _fresh_global_rngs()
     argv = request["argv"]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
@@ -147,6 +147,16 @@ def _become_trainer(sock: socket.socket, request: dict, out_fd: int, agent: int)
         runpy.run_path(argv[0], run_name="__main__")
 
     return run
+
+
+def _fresh_global_rngs() -> None:
+    """Seed what a fresh interpreter seeds from the OS at import (Python's ``random``, NumPy's
+    global generator), so forked trainers do not share the template's streams. torch's default
+    generator starts from a fixed seed in every interpreter: nothing to do."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _die_with_agent(agent: int) -> None:
