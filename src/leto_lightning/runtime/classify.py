@@ -11,17 +11,28 @@ from __future__ import annotations
 import re
 import signal as _signal
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .config import ClassificationRule, RuntimeConfig
+from .contract import Role
 from .messages import TrainerPhase, Verdict
 from .xid import xid_verdict
+
+
+class FailedRole(StrEnum):
+    """Whose failure it is: this node's active trainer or waiting shadow, or a trainer of
+    another node (``REMOTE``: known from that node's verdict only)."""
+
+    ACTIVE = Role.ACTIVE.value
+    SHADOW = Role.SHADOW.value
+    REMOTE = "remote"
 
 
 @dataclass(frozen=True)
 class Failure:
     rank: int
     pid: int | None
-    role: str = "active"
+    role: FailedRole = FailedRole.ACTIVE
     exit_code: int | None = None
     signal: int | None = None
     exception: str | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import time
 
-from .classify import Failure, printed_exception, stops_the_job
+from .classify import FailedRole, Failure, printed_exception, stops_the_job
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
@@ -98,7 +98,7 @@ class Detector:
         if exc is None and exit_code is not None:
             exc = printed_exception(p.last_line())
         hung_since = (hb.t if hb else waiting_since) if hang else None
-        return Failure(rank=p.rank, pid=p.pid, role=p.role, exception=exc, detected_at=time.time(),
+        return Failure(rank=p.rank, pid=p.pid, role=FailedRole(p.role.value), exception=exc, detected_at=time.time(),
                        iteration=hb.it if hb else None, phase=hb.phase if hb else None,
                        last_heartbeat=hb.t if hb else None, hang=hang, exit_code=exit_code, signal=signal,
                        hung_since=hung_since)
@@ -114,7 +114,7 @@ class Detector:
         verdict = Verdict.from_json(published)
         if verdict.node == self.spec.node_rank:
             return None
-        return Failure(rank=verdict.rank, pid=None, role="remote", detected_at=time.time(),
+        return Failure(rank=verdict.rank, pid=None, role=FailedRole.REMOTE, detected_at=time.time(),
                        exception=f"on node {verdict.node}: {verdict.reason}", remote_verdict=verdict)
 
     def last_heartbeat(self, rank: int) -> Heartbeat | None:
