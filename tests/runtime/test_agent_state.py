@@ -105,3 +105,15 @@ def test_store_timeouts_are_told_by_type_from_a_lost_store() -> None:
     with pytest.raises(dist.DistNetworkError), store_timeouts("waiting for it"):
         client.wait(["never"], timedelta(milliseconds=100))
     assert not is_store_timeout(dist.QueueEmptyError("empty"))
+
+
+def test_each_lockstep_step_carries_one_message_type() -> None:
+    """``NodeLockstep.sync`` takes a message and gives back the same type from every node: the
+    step's name is the type's (no raw dicts cross between agents)."""
+    from leto_lightning.runtime.messages import NodeRecovered, NodeShadowsReady, NodeStopped
+
+    messages = [NodeStopped(), NodeRecovered("disk gone", None), NodeRecovered(None, 12), NodeShadowsReady(True),
+                NodeSummary(0, ((0, None),), None)]
+    for m in messages:
+        assert type(m).from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert len({type(m).STEP for m in messages}) == 4  # one step name per type

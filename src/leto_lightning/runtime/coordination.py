@@ -15,10 +15,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from .control import SignedStore
 from .keys import JOB_ID, NODE_DONE, NODE_STEP
+from .messages import M
 from .phases import JobInterrupted, JobStopped
 from .spec import LaunchSpec
 
@@ -88,16 +88,17 @@ class NodeLockstep:
                                  "is another node's agent gone?")
             self.stop.wait(self.poll_s)
 
-    def sync(self, step: str, value: Any) -> list[Any]:
-        """Lockstep point of a recovery across the job's node agents; returns every node's value."""
-        gen, nodes = self.job.generation, range(self.spec.nnodes)
-        self.store.set(NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(value))
+    def sync(self, message: M) -> list[M]:
+        """Lockstep point of a recovery across the job's node agents (the step is the message's
+        type); returns every node's message, node by node."""
+        gen, nodes, step = self.job.generation, range(self.spec.nnodes), message.STEP
+        self.store.set(NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(message.to_dict()))
         names = [NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
         while True:
             self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
             values = [self.store.read(k) for k in names]
             if all(v is not None for v in values):  # else one vanished after the check: wait again
-                return [json.loads(v) for v in values if v is not None]
+                return [type(message).from_dict(json.loads(v)) for v in values if v is not None]
 
     def shared_job_id(self, mine: str) -> str:
         """Per-rank agents agree on one retained-memory job id per start (first writer wins):

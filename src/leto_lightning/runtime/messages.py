@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..errors import InternalError
 from ..updater.recovery import RankProgress
@@ -127,6 +127,7 @@ class Verdict:
 class NodeSummary:
     """What one node's agent found in its stores; ``failed`` says why it could not look."""
 
+    STEP: ClassVar[str] = "summary"  # the recovery's lockstep step that carries it
     node: int
     ranks: tuple[tuple[int, RankProgress | None], ...] = ()
     failed: str | None = None
@@ -139,3 +140,63 @@ class NodeSummary:
     def from_dict(cls, value: dict[str, Any]) -> NodeSummary:
         ranks = tuple((int(r), None if p is None else RankProgress.of(p)) for r, p in value["ranks"].items())
         return cls(int(value["node"]), ranks, value.get("failed"))
+
+
+class LockstepMessage(Protocol):
+    """What a node's agent sends at one lockstep step of a recovery (``NodeLockstep.sync``):
+    the step's name is the type's, so a step carries one kind of message."""
+
+    STEP: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> Any: ...
+
+
+M = TypeVar("M", bound=LockstepMessage)
+
+
+@dataclass(frozen=True)
+class NodeStopped:
+    """This node's trainers are stopped: no node touches retained state while another trains."""
+
+    STEP: ClassVar[str] = "stopped"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> NodeStopped:
+        return cls()
+
+
+@dataclass(frozen=True)
+class NodeRecovered:
+    """This node's stores after repair: why they cannot be used, else where they resume."""
+
+    STEP: ClassVar[str] = "recovered"
+    problem: str | None
+    resume: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> NodeRecovered:
+        return cls(value.get("problem"), value.get("resume"))
+
+
+@dataclass(frozen=True)
+class NodeShadowsReady:
+    """This node's shadow set can be promoted (a promotion happens only if every node's can)."""
+
+    STEP: ClassVar[str] = "shadows_ready"
+    ready: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> NodeShadowsReady:
+        return cls(bool(value["ready"]))

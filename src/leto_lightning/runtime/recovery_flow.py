@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..console import notice
 from ..errors import RetainedStateError
@@ -38,7 +38,7 @@ from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
 from .events import EventLog
 from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
-from .messages import FirstDone, ResumeInfo, TrainerPhase, Verdict
+from .messages import FirstDone, NodeRecovered, NodeShadowsReady, NodeStopped, ResumeInfo, TrainerPhase, Verdict
 from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, repair_node_stores
@@ -157,7 +157,7 @@ class Recovery:
         gen = self.job.next_generation()
         self.events.emit("recovery_started", gen, cause_rank=failure.rank, hof=True)
         self.trainers.stop_actives()
-        self.lockstep.sync("stopped", True)  # no node touches retained state while another still trains
+        self.lockstep.sync(NodeStopped())  # no node touches retained state while another still trains
         t1 = time.time()
         timing.stop = t1 - failure.detected_at
         self._advance(Phase.REPAIRING)
@@ -202,10 +202,10 @@ class Recovery:
         except RetainedStateError as exc:  # incomplete, damaged beyond parity, no consistent iteration
             problem = f"retained state unusable: {exc}"
         resume = min((r.resume_iteration for r in reports.values()), default=None)
-        mine: dict[str, Any] = {"problem": problem, "resume": resume}
-        parts = self.lockstep.sync("recovered", mine) if self.spec.nnodes > 1 else [mine]
-        problems = [p["problem"] for p in parts if p["problem"]]
-        resumes = [p["resume"] for p in parts if p["resume"] is not None]
+        mine = NodeRecovered(problem, resume)
+        parts = self.lockstep.sync(mine) if self.spec.nnodes > 1 else [mine]
+        problems = [p.problem for p in parts if p.problem]
+        resumes = [p.resume for p in parts if p.resume is not None]
         if not problems and not resumes:
             problems = ["no node repaired any retained store"]
         return RepairOutcome(reports, min(resumes, default=None), problems[0] if problems else None)
@@ -225,7 +225,8 @@ class Recovery:
 
     def _promote_or_cold_start(self) -> Resumption:
         t = self.trainers
-        ready = all(self.lockstep.sync("shadows_ready", t.shadows_promotable()))  # promote only if every node can
+        every_node = self.lockstep.sync(NodeShadowsReady(t.shadows_promotable()))
+        ready = all(m.ready for m in every_node)  # promote only if every node can
         t.reset_heartbeats()
         self.store.set(SHADOWS_READY, "")
         gen = self.job.generation

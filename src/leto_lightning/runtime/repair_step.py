@@ -45,13 +45,12 @@ class SummaryExchange:
         """This node cannot send a summary: unblock the others (once)."""
         if not self.sent:
             self.sent = True
-            self.lockstep.sync("summary", NodeSummary(self.node, failed=reason).to_dict())
+            self.lockstep.sync(NodeSummary(self.node, failed=reason))
 
     def _merge(self, mine: NodeSummary) -> dict[int, RankProgress | None]:
         self.sent = True
         merged: dict[int, RankProgress | None] = {}
-        for part in self.lockstep.sync("summary", mine.to_dict()):
-            node = NodeSummary.from_dict(part)
+        for node in self.lockstep.sync(mine):
             if node.failed is not None:
                 raise RetainedStateError(f"retained state unusable on another node ({node.failed})")
             merged.update(node.ranks)
