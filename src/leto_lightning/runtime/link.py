@@ -29,8 +29,8 @@ import time
 
 from ..faults.points import point
 from .contract import RESUME, ROLE, ResumeMode, Role
-from .keys import EXCEPTION, FIRST_DONE, RESUMED, STORE_READY
-from .messages import FirstDone, ResumeInfo, TrainerPhase
+from .keys import STORE_READY
+from .messages import TrainerPhase
 from .session import Session, SessionEnv, await_key, init
 
 _SESSION: Session | None = None
@@ -102,7 +102,7 @@ class RuntimeLink:
         self.connect().store.set(STORE_READY.format(job=env.job_id, rank=env.rank), "1")
 
     def wait_for_store(self) -> None:
-        self.connect()._wait_for_store()
+        self.connect().wait_for_store()
 
     def wait_for_promotion(self) -> None:
         """A level-3 shadow waits here fully built; afterwards the resume clock runs."""
@@ -113,12 +113,8 @@ class RuntimeLink:
 
     def resumed(self, iteration: int) -> None:
         """Tell the agent this rank resumed (loop, RNG and data position restored)."""
-        s = self.connect()
-        now = time.time()
-        t1 = self._resume_started if self._resume_started is not None else now
-        start = s.promoted_at if s.promoted_at is not None else process_start_time()
-        info = ResumeInfo(init_s=max(0.0, t1 - start), resume_s=now - t1, iteration=iteration, t=now)
-        s.store.set(RESUMED.format(gen=s.env.generation, rank=s.rank), info.to_json())
+        started = self._resume_started if self._resume_started is not None else time.time()
+        self.connect().report_resumed(iteration, resume_started=started, set_up_started=process_start_time())
         self._resume_started = None
 
     @property
@@ -140,8 +136,7 @@ class RuntimeLink:
         self._last_beat = time.time()
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
-            s.store.set(FIRST_DONE.format(gen=s.env.generation, rank=s.rank),
-                        FirstDone(t=time.time(), it=iteration).to_json())
+            s.report_first_done(iteration)
 
     def alive(self, iteration: int, phase: str) -> None:
         """Between steps (validation, checkpoints): a heartbeat at most every interval
@@ -154,7 +149,7 @@ class RuntimeLink:
     def report_exception(self, exception: BaseException) -> None:
         s = self.connect()
         try:
-            s.store.set(EXCEPTION.format(pid=os.getpid()), f"{type(exception).__name__}: {exception}")
+            s.report_exception(type(exception), exception)
         except Exception:  # pragma: no cover - the agent is gone; nothing to tell
             pass
 

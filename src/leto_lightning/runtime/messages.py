@@ -33,11 +33,15 @@ def _fields(raw: bytes | str, what: str) -> dict[str, Any]:
 class TrainerPhase(str, Enum):
     """Where an active trainer is in its iteration, as its heartbeat says: a failure in
     ``COMPUTE`` loses that iteration's forward/backward (redone), one in ``UPDATE`` is rolled
-    forward or back by the chunk transactions, ``DONE`` is between iterations."""
+    forward or back by the chunk transactions, ``DONE`` and the rest are between iterations (a
+    Lightning trainer between steps says where: validation, an epoch's end, a checkpoint)."""
 
     COMPUTE = "compute"
     UPDATE = "update"
     DONE = "done"
+    VALIDATION = "validation"
+    EPOCH_END = "epoch_end"
+    CHECKPOINT = "checkpoint"
 
 
 @dataclass(frozen=True)

@@ -194,17 +194,14 @@ class Session:
             fsdp2 = self.bind_fsdp2(model, optimizer, config)
             ro = fsdp2.ro
         else:
-            self._wait_for_store()
+            self.wait_for_store()
             ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank))
             ro.bind(adopt=True, resume=False)
         self.wait_for_promotion()  # L3 shadows wait here, fully built
         point("promotion.resume")
         t1 = time.time()
         payload = fsdp2.resume() if fsdp2 is not None else ro.resume()
-        t2 = time.time()
-        init_s = (t1 - t0) if self.promoted_at is None or self.promoted_at < t0 else (t1 - self.promoted_at)
-        resumed = ResumeInfo(init_s=max(0.0, init_s), resume_s=t2 - t1, iteration=ro.iteration, t=time.time())
-        self.store.set(RESUMED.format(gen=self.env.generation, rank=self.rank), resumed.to_json())
+        self.report_resumed(ro.iteration, resume_started=t1, set_up_started=t0)
         return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload, sharded=fsdp2)
 
     def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -233,7 +230,7 @@ class Session:
                 bound.load_checkpoint(checkpoint, iteration=iteration, payload=payload)
             self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
             return bound
-        self._wait_for_store()
+        self.wait_for_store()
         return attach_fsdp2(model, optimizer, job_id=e.job_id, rank=e.rank, barrier=barrier, payload_fn=payload_fn,
                             resume=False)
 
@@ -260,9 +257,31 @@ class Session:
         self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
         return ro
 
-    def _wait_for_store(self) -> None:
+    def wait_for_store(self) -> None:
         """A shadow starts beside a fresh active trainer: attach once the active created it."""
         await_key(self.store, STORE_READY.format(job=self.env.job_id, rank=self.rank))
+
+    # -- the trainer's side of the protocol: one writer per message ------------------------------
+    def report_resumed(self, iteration: int, resume_started: float, set_up_started: float) -> None:
+        """This rank resumed at ``iteration`` (loop, RNG, data position restored): the agent's
+        ``init`` is from when this process began setting up -- or was promoted, if later -- to
+        ``resume_started``; ``resume`` from then to now."""
+        now = time.time()
+        promoted = self.promoted_at
+        begun = promoted if promoted is not None and promoted >= set_up_started else set_up_started
+        info = ResumeInfo(init_s=max(0.0, resume_started - begun), resume_s=now - resume_started, iteration=iteration,
+                          t=now)
+        self.store.set(RESUMED.format(gen=self.env.generation, rank=self.rank), info.to_json())
+
+    def report_first_done(self, iteration: int) -> None:
+        """This generation's first iteration on this rank is complete: the agent closes a
+        recovery's books on it."""
+        done = FirstDone(t=time.time(), it=iteration)
+        self.store.set(FIRST_DONE.format(gen=self.env.generation, rank=self.rank), done.to_json())
+
+    def report_exception(self, exc_type: type[BaseException], exc: BaseException) -> None:
+        """The exception this process dies of, for the agent's verdict (``<type>: <message>``)."""
+        self.store.set(EXCEPTION.format(pid=os.getpid()), f"{exc_type.__name__}: {exc}")
 
     def barrier(self) -> None:
         """The prepare agreement: one flag all-reduce (raises if a peer is gone)."""
@@ -289,7 +308,7 @@ class Session:
 
         def report(exc_type, exc, tb):
             try:
-                self.store.set(EXCEPTION.format(pid=os.getpid()), f"{exc_type.__name__}: {exc}")
+                self.report_exception(exc_type, exc)
             finally:
                 previous(exc_type, exc, tb)
 
@@ -380,9 +399,7 @@ class ProtectedTraining:
         self.session.heartbeat(self.optimizer.iteration - 1, TrainerPhase.DONE)
         if not self._first_done:  # the agent closes a recovery's books on this
             self._first_done = True
-            done = FirstDone(t=time.time(), it=self.optimizer.iteration - 1)
-            self.session.store.set(FIRST_DONE.format(gen=self.session.env.generation, rank=self.session.rank),
-                                   done.to_json())
+            self.session.report_first_done(self.optimizer.iteration - 1)
 
     def finish(self) -> None:
         if dist.is_initialized():
