@@ -55,7 +55,7 @@ from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.retained.shm import list_segments
 from leto_lightning.runtime.contract import JOB_PREFIX
 from leto_lightning.runtime.events import iter_events, read_events
-from leto_lightning.runtime.procs import is_alive
+from leto_lightning.runtime.procs_state import is_alive
 
 SYSTEMS = ("leto-update", "leto-compute", "disk", "shm", "shm-spare")
 LABELS = {

@@ -180,7 +180,7 @@ def test_trainers_die_with_a_killed_agent(tmp_path):
     the retained memory it could not free is freed by `leto cleanup RUN_DIR`."""
     from leto_lightning import cli
     from leto_lightning.retained.shm import list_segments, unlink_segments
-    from leto_lightning.runtime.procs import is_alive
+    from leto_lightning.runtime.procs_state import is_alive
 
     proc = start(tmp_path, ITERATIONS, script_args=["--sleep", "0.2"])
     try:

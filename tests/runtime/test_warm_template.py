@@ -1,8 +1,8 @@
 """The warm template (``runtime/template_server.py``, ``runtime/warm_template.py``): a trainer
 forked from it runs the script as ``python SCRIPT ARGS`` would -- ``__main__``, its own argv,
 environment and working directory, its output through the agent's pipe, its exit status and
-its death by signal seen by the agent, which is its parent -- and nothing outlives the template.
-Run in a forked child: the test process does not become a subreaper.
+its death by signal reported to the agent by the template (its parent) -- and nothing outlives
+the template.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from leto_lightning.runtime.procs import is_alive
+from leto_lightning.runtime.procs_state import is_alive
 from leto_lightning.runtime.template_server import imported_modules
 from leto_lightning.runtime.warm_template import ForkedProcess, WarmTemplate
 from leto_lightning.testing.crash import run_in_child
@@ -53,7 +53,6 @@ def _ready(template: WarmTemplate) -> None:
 def _exercise(script: str, workdir: str) -> dict:
     os.chdir(workdir)
     template = WarmTemplate.start(sys.executable, script, dict(os.environ, RANK="template"))
-    assert template is not None
     _ready(template)
     seen: dict = {"template_pid": template.popen.pid}
     for arg in ("3", "raise"):
@@ -78,10 +77,10 @@ def test_a_forked_trainer_runs_the_script_as_python_would(tmp_path: Path) -> Non
     said = json.loads(seen["3"]["lines"][0])
     assert said["name"] == "__main__" and said["argv"] == [str(script), "3"] and said["rank"] == "7"
     assert said["cwd"] == str(tmp_path) and said["path0"] == str(tmp_path) and said["preloaded"]
-    assert said["ppid"] == seen["agent"]  # re-parented: the agent waits for it, and it dies with the agent
+    assert said["ppid"] == seen["template_pid"]  # the template's child: it reaps it and reports its exit
     assert seen["3"]["code"] == 3
     assert seen["raise"]["code"] == 1 and seen["raise"]["lines"][-1] == "RuntimeError: boom from the script"
-    assert seen["sleeper_said"]["ppid"] == seen["agent"] and seen["killed"] == -signal.SIGKILL
+    assert seen["sleeper_said"]["ppid"] == seen["template_pid"] and seen["killed"] == -signal.SIGKILL
     # NumPy's global generator is seeded per trainer, as in a fresh interpreter, not copied
     assert said["numpy_draw"] != seen["sleeper_said"]["numpy_draw"]
     assert seen["template_code"] == 0 and not is_alive(seen["template_pid"])
@@ -102,7 +101,6 @@ def test_a_thread_started_at_import_makes_the_template_refuse_to_fork(tmp_path: 
 
     def attempt() -> tuple[bool, str | None, object]:
         template = WarmTemplate.start(sys.executable, str(script), dict(os.environ))
-        assert template is not None
         deadline = time.monotonic() + 60
         while template.check() is None and time.monotonic() < deadline:
             time.sleep(0.02)

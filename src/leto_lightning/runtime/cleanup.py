@@ -28,7 +28,7 @@ from ..console import say
 from ..errors import ConfigurationError
 from ..retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments, unlink_segment
 from .events import iter_events
-from .procs import is_alive
+from .procs_state import is_alive
 
 
 @dataclass

@@ -36,8 +36,7 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
 from ..retained.store import RetainedStore, StoreSpec
 from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
-from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_tier2, layout_for
-from ..updater.transaction import ParityCodes
+from ..updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, layout_for
 from .auth import CHILD_ENV
 from .checkpoints import CheckpointCommits
 from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
@@ -245,15 +244,7 @@ class Session:
         point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
         ro = RetainedOptimizer(optimizer, created)
         ro.bind(adopt=False, iteration=iteration, payload=payload)
-        self.barrier()
-        if e.local_rank == 0 and spec.tier2.enabled:
-            first = e.rank - e.local_rank
-            peers = [ro.store] + [RetainedStore.attach(e.job_id, first + i) for i in range(1, e.local_world_size)]
-            encode_tier2(peers, ParityCodes(ro.store))
-            for peer in peers[1:]:
-                peer.close()
-        self.barrier()
-        ro.store.mark_complete()  # set-up done (views bound, tier 1 and 2 encoded): recovery may trust it
+        complete_new_store(ro.store, self.barrier)
         self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
         return ro
 

@@ -8,9 +8,10 @@ node: started once per job with the trainers' common environment, it imports eve
 script names (top-level ``import`` statements and those in function bodies -- never the script's
 own code), touches no device and no process group, then waits. For each trainer the agent sends
 its argv, environment and working directory with the write end of its output pipe
-(``SCM_RIGHTS`` over a ``SOCK_SEQPACKET`` socket pair); the template forks twice, so the trainer
-is re-parented to the agent (a child subreaper, ``warm_template.py``), which waits for it, kills
-it and reads its output exactly as it does a ``subprocess.Popen`` child. The trainer then runs
+(``SCM_RIGHTS`` over a ``SOCK_SEQPACKET`` socket pair); the template forks the trainer, answers
+with its pid and reports its exit status when it ends, so the agent (``warm_template.py``) waits
+for it, kills it and reads its output as it does a ``subprocess.Popen`` child's; a trainer dies
+with the template, the template with the agent. The trainer then runs
 the script as ``python SCRIPT ARGS`` would: ``__main__``, ``sys.argv``, ``sys.path[0]``, its own
 environment; the interpreter's normal exit (atexit, non-daemon threads, exit status).
 
@@ -27,6 +28,7 @@ import importlib
 import json
 import os
 import random
+import select
 import signal
 import socket
 import sys
@@ -75,49 +77,66 @@ def fork_hazard() -> str | None:
     return None
 
 
-def serve(sock: socket.socket, script: str, agent: int) -> Callable[[], None] | None:
-    """Answer the agent's requests until it closes the socket (returns None: the template ends);
-    in a forked trainer, return the function that runs the script."""
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 1)
-        except OSError:
-            return None
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            return None
-        request = json.loads(data)
-        run = _fork_trainer(sock, request, fds[0], agent)
-        if run is not None:
-            return run
+class _Server:
+    """The template's loop: requests from the agent, and its trainers' exits (``SIGCHLD`` wakes
+    it through a pipe), each reported to the agent over the socket."""
+
+    def __init__(self, sock: socket.socket, agent: int) -> None:
+        self.sock, self.agent = sock, agent
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so the wakeup fd is written
+        signal.set_wakeup_fd(self.wake_w)
+
+    def run(self) -> Callable[[], None] | None:
+        """Serve until the agent closes the socket (None: the template ends); in a forked
+        trainer, return the function that runs the script."""
+        while True:
+            readable = select.select([self.sock.fileno(), self.wake_r], [], [], 1.0)[0]
+            if self.wake_r in readable:
+                os.read(self.wake_r, 4096)
+            self._report_exits()
+            if self.sock.fileno() not in readable:
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, MAX_REQUEST, 1)
+            except OSError:
+                return None
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            run = self._fork_trainer(json.loads(data), fds[0])
+            if run is not None:
+                return run
+
+    def _report_exits(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+    def _fork_trainer(self, request: dict, out_fd: int) -> Callable[[], None] | None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        template = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            return _become_trainer(self.sock, request, out_fd, template)
+        os.close(out_fd)
+        self.sock.send(json.dumps({"pid": pid}).encode())
+        return None
 
 
-def _fork_trainer(sock: socket.socket, request: dict, out_fd: int, agent: int) -> Callable[[], None] | None:
-    """Fork twice: the intermediate child reports the trainer's pid and exits, so the trainer is
-    re-parented to the agent; the template reaps the intermediate and answers."""
-    r, w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    middle = os.fork()
-    if middle == 0:
-        os.close(r)
-        trainer = os.fork()
-        if trainer == 0:
-            os.close(w)
-            return _become_trainer(sock, request, out_fd, agent)
-        os.write(w, str(trainer).encode())
-        os._exit(0)
-    os.close(w)
-    os.close(out_fd)
-    with os.fdopen(r, "rb") as pipe:
-        pid = pipe.read().decode()
-    os.waitpid(middle, 0)
-    sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "the fork failed"}).encode())
-    return None
-
-
-def _become_trainer(sock: socket.socket, request: dict, out_fd: int, agent: int) -> Callable[[], None]:
+def _become_trainer(sock: socket.socket, request: dict, out_fd: int, template: int) -> Callable[[], None]:
     sock.close()
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
@@ -125,12 +144,7 @@ def _become_trainer(sock: socket.socket, request: dict, out_fd: int, agent: int)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    deadline = time.monotonic() + 10
-    while os.getppid() != agent:  # the intermediate's exit re-parents this process to the agent
-        if time.monotonic() > deadline:
-            os._exit(70)
-        time.sleep(0.001)
-    _die_with_agent(agent)
+    _die_with_parent(template)  # the template dies with the agent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
@@ -159,25 +173,29 @@ def _fresh_global_rngs() -> None:
         numpy.random.seed()
 
 
-def _die_with_agent(agent: int) -> None:
-    """SIGKILL this trainer when the agent dies (PR_SET_PDEATHSIG), as a ``Popen`` child's."""
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` dies (PR_SET_PDEATHSIG): the template dies with the
+    agent, a trainer with the template -- as a ``Popen`` child of the agent would."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return
-    if os.getppid() != agent:  # the agent died before the signal was armed
+    if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(70)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="leto-template", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fd", type=int, required=True, help="the agent's end of the socket pair")
-    parser.add_argument("--agent", type=int, required=True, help="the agent's pid (the trainers' parent)")
+    parser.add_argument("--agent", type=int, required=True, help="the agent's pid (the template dies with it)")
     parser.add_argument("script")
     args = parser.parse_args(argv)
-    _die_with_agent(args.agent)
+    # a Ctrl-C or SLURM's SIGINT to the job's process group is the agent's to handle (it closes
+    # the template): no KeyboardInterrupt traceback from here. Trainers get the default back.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(args.agent)
     sock = socket.socket(fileno=args.fd)
     t0 = time.monotonic()
     done, failed = warm_up(args.script)
@@ -186,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                           "modules": len(done), "failed": failed}).encode())
     if hazard is not None:
         return
-    run = serve(sock, args.script, args.agent)
+    run = _Server(sock, args.agent).run()
     if run is not None:
         run()  # the trainer: the script as __main__; the interpreter's normal exit follows
 

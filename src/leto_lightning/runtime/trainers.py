@@ -20,7 +20,8 @@ from .coordination import JobIdentity, StopFlag
 from .events import EventLog
 from .keys import FAULT_FIRED, HEARTBEAT, PROMOTE, SHADOW_READY, SHADOW_REPLACE, SHADOWS_READY
 from .messages import Promotion
-from .procs import TrainerProcess, process_state, spawn
+from .procs import TrainerProcess, spawn
+from .procs_state import process_state
 from .spec import LaunchSpec
 from .warm_template import ForkedProcess, WarmTemplate
 from .worker_env import torchrun_variables

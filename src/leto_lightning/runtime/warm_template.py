@@ -4,9 +4,8 @@
 the first trainers' start. ``fork`` asks it for a trainer once it is ready and returns a
 ``ForkedProcess`` -- the same face as ``subprocess.Popen`` (``pid``, ``poll``, ``wait``,
 ``returncode``, a text ``stdout``) -- or None when the template is not ready (yet) or cannot
-fork: the caller then starts the trainer the usual way. The agent is made a child subreaper
-(``PR_SET_CHILD_SUBREAPER``), so the trainers the template forks are the agent's own children:
-it waits for them, and they die with it.
+fork: the caller then starts the trainer the usual way. A forked trainer is the template's
+child: the template reaps it and sends its exit status, which ``poll`` reads without waiting.
 """
 
 from __future__ import annotations
@@ -18,44 +17,31 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO
+
+from .procs_state import is_alive
 
 log = logging.getLogger(__name__)
 
 REPLY_TIMEOUT_S = 10.0
 
 
-def become_subreaper() -> bool:
-    """Orphans below this process are re-parented to it (Linux ``PR_SET_CHILD_SUBREAPER``)."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
-
-
 class ForkedProcess:
-    """A trainer the template forked, now a child of this process (``subprocess.Popen``'s face)."""
+    """A trainer the template forked (``subprocess.Popen``'s face); its exit status comes from
+    the template."""
 
-    def __init__(self, pid: int, stdout: IO[str]) -> None:
+    def __init__(self, pid: int, stdout: IO[str], template: WarmTemplate) -> None:
         self.pid = pid
         self.stdout = stdout
         self.returncode: int | None = None
+        self._template = template
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: it is gone, how is unknown
-                self.returncode = -signal.SIGKILL
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            self.returncode = self._template.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -85,29 +71,60 @@ class WarmTemplate:
         self.popen = popen
         self.sock = sock
         self.status: TemplateStatus | None = None  # None until the template reported
+        self._exits: dict[int, int] = {}  # pid -> exit code (negative: the signal), as the template reaped it
+        self._replies: list[dict] = []  # answers to fork requests, in order
 
     @classmethod
-    def start(cls, python: str, script: str, env: Mapping[str, str]) -> WarmTemplate | None:
-        if not become_subreaper():
-            return None
+    def start(cls, python: str, script: str, env: Mapping[str, str]) -> WarmTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [python, "-m", "leto_lightning.runtime.template_server", "--fd", str(theirs.fileno()),
                "--agent", str(os.getpid()), script]
         popen = subprocess.Popen(cmd, env=dict(env), pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=sys.stderr)
+                                 stdout=subprocess.DEVNULL)  # stderr: the agent's own fd 2
         theirs.close()
         return cls(popen, ours)
 
+    def _drain(self, timeout: float = 0.0) -> None:
+        """Read what the template sent (waiting up to ``timeout`` for the first message)."""
+        while select.select([self.sock], [], [], timeout)[0]:
+            timeout = 0.0
+            try:
+                raw = self.sock.recv(1 << 16)
+            except OSError:
+                raw = b""
+            if not raw:  # it closed its socket: it is gone
+                self._gone()
+                return
+            said = json.loads(raw)
+            if "exited" in said:
+                self._exits[int(said["exited"])] = int(said["code"])
+            elif "ready" in said:
+                self.status = TemplateStatus(said["ready"], said.get("reason"), said.get("import_s", 0.0),
+                                             said.get("modules", 0))
+            else:
+                self._replies.append(said)
+
+    def _gone(self) -> None:
+        if self.status is None or self.status.ready:
+            self.status = TemplateStatus(False, f"the template exited ({self.popen.poll()})")
+
     def check(self) -> TemplateStatus | None:
         """The template's report once it is in (without waiting); None while it still imports."""
-        exited = self.popen.poll() is not None  # before looking: what it sent before exiting is in the socket
-        if self.status is None and select.select([self.sock], [], [], 0)[0]:
-            said = json.loads(self.sock.recv(1 << 16) or b'{"ready": false, "reason": "it closed its socket"}')
-            self.status = TemplateStatus(said["ready"], said.get("reason"), said.get("import_s", 0.0),
-                                         said.get("modules", 0))
+        exited = self.popen.poll() is not None  # before reading: what it sent before exiting is in the socket
+        self._drain()
         if self.status is None and exited:
-            self.status = TemplateStatus(False, f"the template exited ({self.popen.returncode})")
+            self._gone()
         return self.status
+
+    def exit_code(self, pid: int) -> int | None:
+        """The exit code of trainer ``pid`` once the template reaped it; a trainer of a template
+        that is gone died with it (SIGKILL)."""
+        self._drain()
+        if pid in self._exits:
+            return self._exits[pid]
+        if self.popen.poll() is not None and not is_alive(pid):
+            return -signal.SIGKILL
+        return None
 
     def fork(self, argv: list[str], env: Mapping[str, str]) -> ForkedProcess | None:
         """A trainer running ``python argv...`` with ``env``, forked from the template; None when
@@ -125,16 +142,15 @@ class WarmTemplate:
             return None
         finally:
             os.close(write_end)
-        if not select.select([self.sock], [], [], REPLY_TIMEOUT_S)[0]:
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not self._replies and time.monotonic() < deadline and self.status is not None and self.status.ready:
+            self._drain(timeout=max(0.0, deadline - time.monotonic()))
+        if not self._replies:
             os.close(read_end)
             self._broken(f"no answer within {REPLY_TIMEOUT_S:.0f} s")
             return None
-        reply = json.loads(self.sock.recv(1 << 16) or b'{"error": "it closed its socket"}')
-        if "pid" not in reply:
-            os.close(read_end)
-            self._broken(reply.get("error", "no pid"))
-            return None
-        return ForkedProcess(reply["pid"], os.fdopen(read_end, "r", buffering=1, errors="replace"))
+        reply = self._replies.pop(0)
+        return ForkedProcess(int(reply["pid"]), os.fdopen(read_end, "r", buffering=1, errors="replace"), self)
 
     def _broken(self, reason: str) -> None:
         log.warning("warm template: %s; trainers start the usual way from now on", reason)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.events import read_events
-from ..runtime.procs import is_alive
+from ..runtime.procs_state import is_alive
 
 
 @dataclass

@@ -40,9 +40,9 @@ from ..retained.store import RetainedStore, StoreSpec
 from .fsdp2_state import Restore, RetainedShardState, detached_copy
 from .retained_optimizer import (
     RetainedOptimizer,
+    complete_new_store,
     config_for,
     create_node_store,
-    encode_node_tier2,
     hyperparameters,
     optimizer_family,
 )
@@ -380,8 +380,7 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
     store = create_node_store(spec, barrier, attach_with="attach_fsdp2")
     bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False)
-    encode_node_tier2(store, barrier)
-    store.mark_complete()
+    complete_new_store(store, barrier)
     return bound
 
 

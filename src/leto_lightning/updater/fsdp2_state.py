@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.layout import GRAD, PARAM, ParamSlot
-from .retained_optimizer import RetainedOptimizer, encode_all, encode_node_tier2
+from .retained_optimizer import RetainedOptimizer, complete_new_store, encode_all
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,7 @@ class RetainedShardState:
         encode_all(store, ro.txn.codes)
         ro.txn.commit(iteration - 1, restore.payload)
         ro.iteration, ro.boundary_payload = iteration, restore.payload
-        encode_node_tier2(store, ro.barrier)
-        store.mark_complete()
+        complete_new_store(store, ro.barrier)
         log.info("rank %d: retained FSDP2 shards initialised from loaded state at iteration %d",
                  store.spec.rank, iteration)
 

@@ -195,15 +195,20 @@ class RetainedOptimizer:
             raise InternalError(f"rank {self.store.spec.rank}: could not {what} ({type(exc).__name__}: {exc}); "
                                 "this is a bug in leto-lightning") from exc
 
+    def drop_hooks(self) -> None:
+        """The store is being freed: the gradient hooks on the parameters go (each holds this
+        object, and through it the store's mappings, for as long as the parameters live)."""
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks.clear()
+
     def _bind(self, adopt: bool, resume: bool, iteration: int, payload: object) -> None:
         store, lay = self.store, self.layout
         if adopt:
             store.require_complete()  # a half-initialised store holds nothing to adopt
         else:
             store.clear_complete()  # being initialised: incomplete until its creator marks it again
-        for hook in self._grad_hooks:
-            hook.remove()
-        self._grad_hooks.clear()
+        self.drop_hooks()
         for slot, p in zip(lay.params, self.params):
             if tuple(p.shape) != slot.shape:
                 raise ConfigurationError(f"param {slot.name}: shape {tuple(p.shape)} != retained {slot.shape}")
@@ -479,6 +484,15 @@ def encode_node_tier2(store: RetainedStore, barrier: Callable[[], None] | None) 
             for peer in peers:
                 peer.close()
     barrier()
+
+
+def complete_new_store(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
+    """The last step of every new store's set-up, whoever creates it (plain PyTorch, the
+    Lightning strategies, LetoAccelerator, FSDP2, ZeRO-1, a reload): once its views are bound
+    and its tier-1 parity encoded, tier 2 across the node's ranks, then the completion mark --
+    from here on recovery may trust it. Every local rank calls it; ``barrier`` spans them."""
+    encode_node_tier2(store, barrier)
+    store.mark_complete()
 
 
 def _no_barrier() -> None:

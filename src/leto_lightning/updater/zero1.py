@@ -41,9 +41,9 @@ from ..retained.owned import OwnedParam, owned_layout
 from ..retained.store import RetainedStore, StoreSpec
 from .retained_optimizer import (
     RetainedOptimizer,
+    complete_new_store,
     config_for,
     create_node_store,
-    encode_node_tier2,
     hyperparameters,
     optimizer_family,
 )
@@ -193,8 +193,7 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
     store = create_node_store(spec, barrier, attach_with="attach_zero1")
     bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
     bound.bind(adopt=False)
-    encode_node_tier2(store, barrier)
-    store.mark_complete()
+    complete_new_store(store, barrier)
     return bound
 
 

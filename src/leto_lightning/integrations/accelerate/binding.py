@@ -28,7 +28,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import RetainedOptimizer, config_for, encode_node_tier2, layout_for
+from ...updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, layout_for
 
 
 def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str, ranks: dict[str, int],
@@ -49,9 +49,7 @@ def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str
             f"{job_id!r})) to start over") from None
     ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
     ro.bind(adopt=False)
-    encode_node_tier2(store, barrier)
-    if hasattr(store, "mark_complete"):
-        store.mark_complete()
+    complete_new_store(store, barrier)
     return ro
 
 

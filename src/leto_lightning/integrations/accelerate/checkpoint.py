@@ -63,7 +63,7 @@ from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
 
 from ...errors import ConfigurationError
 from ...runtime.session import load_checkpoint_file
-from ...updater.retained_optimizer import encode_node_tier2
+from ...updater.retained_optimizer import complete_new_store
 from .payload import ResumableAccelerator, capture
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,6 @@ def load(acc: CheckpointedAccelerator, input_dir: str | None, load_files: Callab
     else:
         iteration, payload = ro.iteration, saved_payload(acc)
     ro.reinitialise(iteration, payload)  # the new-store path: copy in, encode, commit (closed)
-    encode_node_tier2(ro.store, acc._barrier())
-    ro.store.mark_complete()
+    complete_new_store(ro.store, acc._barrier())
     _loaded(acc, directory, iteration, payload, kind)
     return result

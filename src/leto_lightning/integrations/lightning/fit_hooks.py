@@ -399,6 +399,7 @@ def release(host: LetoHost, unlink: bool = False) -> None:
     (only when no shadow or agent will need it any more)."""
     if host.retained is not None:
         store = host.retained.store
+        host.retained.drop_hooks()  # else the parameters' hooks keep the store mapped while they live
         if unlink:
             store.unlink()
         store.close()

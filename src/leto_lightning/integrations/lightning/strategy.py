@@ -38,7 +38,7 @@ from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.store import RetainedStore, StoreSpec
 from ...runtime.link import RuntimeLink
-from ...updater.retained_optimizer import RetainedOptimizer, config_for, encode_all, encode_node_tier2
+from ...updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, encode_all
 from .callback import LetoLoopStateCallback
 from .checks import check_trainer, reject_ddp_options, the_optimizer
 from .data import ResumableDataLoader
@@ -234,8 +234,7 @@ class LetoStrategy(DDPStrategy):
             # Checksums and parity of a new store describe what the broadcast left, not the
             # rank's own initial weights it replaced.
             encode_all(ro.store, ro.txn.codes)
-            encode_node_tier2(ro.store, lambda: self.barrier("leto-stores-bound"))
-            ro.store.mark_complete()  # set-up done: recovery may trust the store from here on
+            complete_new_store(ro.store, lambda: self.barrier("leto-stores-bound"))
             if self.runtime is not None:
                 self.runtime.store_ready()  # shadows may attach now
 
