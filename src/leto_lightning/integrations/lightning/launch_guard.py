@@ -5,7 +5,8 @@ Why: ``leto launch`` starts every rank's active trainer and its shadows, and alr
 default) there used to fail deep in ``init_process_group`` (``EADDRINUSE``) -- or, with
 FSDP1 on a GPU, would train with nothing retained. Lightning has no hook that sees every
 strategy choice, so this wraps ``Trainer.__init__`` in trainer processes of ``leto launch``
-only (installed when ``lightning.pytorch`` is imported there; never elsewhere).
+only (installed when ``lightning.pytorch`` is imported there; never elsewhere), through
+``internals.replace_trainer_init`` (the package's one patch of a Lightning class).
 """
 
 from __future__ import annotations
