@@ -68,7 +68,7 @@ class MoELanguageModel(L.LightningModule):
         ``ModelParallelStrategy``): FSDP2 per transformer block, then the rest of the net (the
         embedding, final norm and LM head) as the root group. Other strategies set no device
         mesh: the model stays whole (DDP)."""
-        mesh = self._device_mesh
+        mesh = self.device_mesh
         if mesh is None or isinstance(self.net, FSDPModule):  # not sharding, or sharded by an earlier fit
             return
         data_parallel = mesh["data_parallel"]
@@ -111,7 +111,11 @@ class MoELanguageModel(L.LightningModule):
 
     def _total_steps(self) -> int:
         """Schedule length: the trainer's max_steps when attached, else the constructor's."""
-        trainer_steps = getattr(self._trainer, "max_steps", -1) if self._trainer else -1
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer (Lightning's property raises then)
+            trainer = None
+        trainer_steps = getattr(trainer, "max_steps", -1) if trainer else -1
         steps = trainer_steps if trainer_steps and trainer_steps > 0 else self.hparams["max_steps"]
         return max(int(steps), 1)
 

@@ -37,6 +37,7 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, ParamSlot
 from ..retained.shards import LocalShard, shard_layout
 from ..retained.store import RetainedStore, StoreSpec
+from ..retained.torch_internals import mark_optimizer_stepped, mark_wrapped_by_lr_scheduler
 from .fsdp2_state import Restore, RetainedShardState, detached_copy
 from .retained_optimizer import (
     RetainedOptimizer,
@@ -290,14 +291,14 @@ class RetainedFSDP2:
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's LR-scheduler step wrapper records
+    mark_optimizer_stepped(optimizer)  # what torch's LR-scheduler step wrapper records
     return optimizer._leto_fsdp2.step(closure)  # type: ignore[attr-defined]
 
 
 # An LR scheduler built before binding checks its wrapper is still there (else it warns that
 # optimizer.step was overridden); one built after then leaves the step as it is (it records the
 # call itself, above).
-_optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+mark_wrapped_by_lr_scheduler(_optimizer_step)
 
 
 def _optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:

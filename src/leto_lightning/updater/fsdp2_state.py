@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.layout import GRAD, PARAM, ParamSlot
+from ..retained.torch_internals import fsdp_param_sharded_data
 from .retained_optimizer import RetainedOptimizer, complete_new_store, encode_all
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ class RetainedShardState:
         their retained views (in place); anything that replaced a shard instead is refused."""
         for slot, (param, fsdp_param) in zip(self.ro.layout.params, self._sharded):
             view = self.store.param_view(slot, PARAM)
-            if fsdp_param.sharded_param is not param or fsdp_param._sharded_param_data.data_ptr() != view.data_ptr():
+            shard = fsdp_param_sharded_data(fsdp_param)
+            if fsdp_param.sharded_param is not param or shard.data_ptr() != view.data_ptr():
                 self.store.clear_complete()
                 raise UsageError(f"param {slot.name}: load_state_dict replaced the retained shard instead of copying "
                                  "into it (assign=True?): load with assign=False, the default, after binding")

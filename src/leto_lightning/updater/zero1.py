@@ -39,6 +39,7 @@ from ..retained.config import RetainedConfig
 from ..retained.layout import StoreLayout
 from ..retained.owned import OwnedParam, owned_layout
 from ..retained.store import RetainedStore, StoreSpec
+from ..retained.torch_internals import zero_overlaps_with_ddp
 from .retained_optimizer import (
     RetainedOptimizer,
     complete_new_store,
@@ -51,8 +52,6 @@ from .retained_optimizer import (
 __all__ = ["Partition", "RetainedZeRO1", "attach_zero1", "check_zero1", "create_zero1", "partition",
            "zero1_layout"]
 
-# What this module reads of ZeroRedundancyOptimizer beyond its documented constructor arguments.
-PRIVATE_ATTRIBUTES = (("ZeroRedundancyOptimizer", "_overlap_with_ddp"),)
 COMMITTED_POINT = "zero1.committed"  # after the owned shard's commit, before ZeRO's broadcast
 
 
@@ -64,7 +63,7 @@ def check_zero1(zero: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
         raise ConfigurationError("ZeroRedundancyOptimizer(parameters_as_bucket_view=True) re-points every parameter "
                                  "into ZeRO's flat buckets, out of retained memory: construct it with "
                                  "parameters_as_bucket_view=False (the default)")
-    if getattr(zero, "_overlap_with_ddp", False):
+    if zero_overlaps_with_ddp(zero):
         raise ConfigurationError("ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's communication "
                                  "hook, outside the retained transactions: construct it with overlap_with_ddp=False "
                                  "(the default) and call optimizer.step()")

@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
+from ...retained.torch_internals import mark_optimizer_stepped
 from ...runtime import per_rank
 from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
@@ -61,6 +62,7 @@ from .binding import attach as attach_store
 from .binding import create as create_store
 from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
 from .config import LetoConfig
+from .internals import is_accelerate_prepared, prepared_models, prepared_optimizers, register_optimizer
 from .loader import is_positioned, is_resumable, positioned
 from .optimizer import LetoAcceleratedOptimizer
 from .payload import BOUNDARY, PREPARE, ResumePoint, capture, restore
@@ -151,7 +153,7 @@ class LetoAccelerator(Accelerator):
 
     @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
-        if getattr(optimizer, "_is_accelerate_prepared", False):
+        if is_accelerate_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         if device_placement is None:
             device_placement = self.device_placement
@@ -159,7 +161,7 @@ class LetoAccelerator(Accelerator):
             device_placement = False  # ZeRO's state_dict() needs a collective first; its state is empty (zero1.py)
         prepared = LetoAcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler,
                                             bind_late=_weak(self._bind_late))
-        self._optimizers.append(prepared)
+        register_optimizer(self, prepared)
         return prepared
 
     @override
@@ -174,16 +176,16 @@ class LetoAccelerator(Accelerator):
 
     def _bind_if_ready(self) -> None:
         """Bind once the optimizer and every model holding its parameters are prepared."""
-        if self.retained is not None or not self._optimizers:
+        if self.retained is not None or not prepared_optimizers(self):
             return
-        prepared = the_optimizer(self._optimizers)
+        prepared = the_optimizer(prepared_optimizers(self))
         if self._outside_models(prepared) is None:
             self._bind_now(prepared)
         # else: the model comes in a later prepare() call, or never (bound at the first step)
 
     def _outside_models(self, prepared: LetoAcceleratedOptimizer) -> str | None:
         """A parameter of the optimizer in no prepared model (described), else None."""
-        in_models = {id(p) for m in self._models for p in m.parameters()}
+        in_models = {id(p) for m in prepared_models(self) for p in m.parameters()}
         for j, group in enumerate(prepared.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 if id(p) not in in_models:
@@ -197,7 +199,7 @@ class LetoAccelerator(Accelerator):
         continue a job from retained memory must bind at ``prepare()``: refused there."""
         if self.retained is not None:
             return
-        prepared = the_optimizer(self._optimizers)
+        prepared = the_optimizer(prepared_optimizers(self))
         stray = self._outside_models(prepared)
         if stray is not None and (self.runtime is not None or self.leto_options.resume_requested()
                                   or self.is_fsdp2 or zero1.is_zero1(prepared.optimizer)):
@@ -246,20 +248,21 @@ class LetoAccelerator(Accelerator):
         rollback, barrier = self.leto_config.rollback_window, self._barrier()
         if zero1.is_zero1(prepared.optimizer):  # ZeRO-1: the params this rank owns (zero1.py)
             ro: RetainedOptimizer = zero1.bind(prepared.optimizer, self.retained_config, job, self._ranks(),
-                                               continuing, barrier, _weak(self._payload), param_names(self._models),
+                                               continuing, barrier, _weak(self._payload),
+                                               param_names(prepared_models(self)),
                                                under_launcher=self.runtime is not None, rollback_window=rollback)
         elif continuing:
             ro = attach_store(prepared.optimizer, job, self.process_index, barrier, _weak(self._payload), rollback)
         else:
             ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
-                              param_names(self._models), barrier, _weak(self._payload), rollback)
+                              param_names(prepared_models(self)), barrier, _weak(self._payload), rollback)
         prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
         return ro
 
     def _bind_fsdp2(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
         """FSDP2: this rank's local shards through the core binding (fsdp2.py); the torch
         optimizer's ``zero_grad`` becomes the binding's, which keeps DTensor gradients views."""
-        (model,) = self._models  # Accelerate's FSDP2 prepares exactly one model
+        (model,) = prepared_models(self)  # Accelerate's FSDP2 prepares exactly one model
         self.leto_fsdp2 = fsdp2.bind(model, prepared.optimizer, self.retained_config, job, self._ranks(), continuing,
                                      self._barrier(), _weak(self._payload))
         return self.leto_fsdp2.ro
@@ -297,7 +300,7 @@ class LetoAccelerator(Accelerator):
         loss = self.leto_fsdp2.step(closure) if self.leto_fsdp2 is not None else ro.step(closure)
         if self._leto_shown is not None:
             self._leto_shown.after_step()
-        ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
+        mark_optimizer_stepped(ro.optimizer)  # what the LR scheduler's step wrapper sets
         self.leto_state.stepped()
         if link is not None:
             link.step_done(ro.iteration - 1)
@@ -341,7 +344,7 @@ class LetoAccelerator(Accelerator):
         """``None`` on a fresh start. After a recovery: the retained state is in place, the
         schedulers, scaler, ``step``, RNG and registered objects are put back, the prepared data
         loaders start at the next batch; returns where the loop continues."""
-        if self.retained is None and self._optimizers:
+        if self.retained is None and prepared_optimizers(self):
             self._bind_late()  # its parameters are in no prepared model: bound now (or refused)
         if self.retained is None:
             raise UsageError(f"{WHO}.leto_resume(): call it after accelerator.prepare(model, optimizer, ...)")

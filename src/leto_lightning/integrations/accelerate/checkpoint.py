@@ -62,6 +62,7 @@ import torch
 from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
 
 from ...errors import ConfigurationError
+from ...retained.torch_internals import copy_state_dict_metadata
 from ...runtime.session import load_checkpoint_file
 from ...updater.retained_optimizer import complete_new_store
 from .payload import ResumableAccelerator, capture
@@ -101,8 +102,7 @@ def _copies(state: Any) -> Any:
         return state.detach().clone()
     if isinstance(state, OrderedDict):  # a module's state dict: keep its version metadata
         out: OrderedDict = OrderedDict((k, _copies(v)) for k, v in state.items())
-        if hasattr(state, "_metadata"):
-            out._metadata = state._metadata  # type: ignore[attr-defined]
+        copy_state_dict_metadata(state, out)
         return out
     if isinstance(state, dict):
         return {k: _copies(v) for k, v in state.items()}

@@ -37,6 +37,7 @@ import torch
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
 from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
+from .internals import set_shared_distributed_type
 
 WHO = "LetoAccelerator"
 USE_FSDP = "ACCELERATE_USE_FSDP"  # Accelerate's own variables (set by `accelerate launch` from a config)
@@ -82,7 +83,6 @@ def refuse_options(plugin: Any) -> None:
 def fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
     """Without CUDA, make Accelerate's state FSDP (module doc): what Accelerate itself does for
     the MULTI_GPU family. A no-op when Accelerate already chose FSDP."""
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     state = accelerator.state
@@ -96,9 +96,7 @@ def fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
         plugin.set_mixed_precision(state.mixed_precision)
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
-    # As AcceleratorState.__init__ ends: every later AcceleratorState() copies PartialState's
-    # shared values over its own, distributed_type included.
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    set_shared_distributed_type(DistributedType.FSDP)  # as AcceleratorState.__init__ ends
 
 
 def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str,

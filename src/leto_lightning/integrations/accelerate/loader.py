@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ...runtime.rng import generator_states, rng_states, set_generator_states, set_rng_states
+from .internals import set_loader_class
 
 
 class BatchHooks(Protocol):
@@ -166,7 +167,6 @@ class _NoHooks:
 
 _NO_HOOKS = _NoHooks()
 _END = object()
-_SET_CLASS = object.__dict__["__class__"].__set__
 
 
 def positioned(loader: Any, accelerator: BatchHooks, index: int, resumable: bool = True) -> Any:
@@ -177,9 +177,7 @@ def positioned(loader: Any, accelerator: BatchHooks, index: int, resumable: bool
         return loader
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Leto{cls.__name__}", (_PositionedLoader, cls), {"__module__": __name__})
-    # Accelerate's adapter reports the wrapped DataLoader's class as ``__class__`` (a property
-    # without a setter): set the real type through object's own slot.
-    _SET_CLASS(loader, _CLASSES[cls])
+    set_loader_class(loader, _CLASSES[cls])
     loader._leto_accelerator = weakref.ref(accelerator)
     loader._leto_resumable = resumable
     loader._leto_index = index

@@ -26,6 +26,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from typing_extensions import override
 
 from ...errors import UsageError
+from .internals import original_optimizer_step, settle_scaler_step
 
 
 class LetoAcceleratedOptimizer(AcceleratedOptimizer):
@@ -59,7 +60,6 @@ class LetoAcceleratedOptimizer(AcceleratedOptimizer):
             self.scaler.step(self.optimizer, closure)
             self.scaler.update()
         finally:
-            self.optimizer.step = self._optimizer_original_step_method
-        self._is_overflow = not self._accelerate_step_called  # type: ignore[has-type]  # set by Accelerate's patch
-        self._accelerate_step_called = False
+            self.optimizer.step = original_optimizer_step(self)
+        settle_scaler_step(self)  # step_was_skipped, from what Accelerate's patch recorded
         return None

@@ -27,21 +27,22 @@ from typing import Any, Protocol
 
 import torch
 
+from ...retained.torch_internals import GROWTH_TRACKER, mark_optimizer_stepped
 from ...runtime.rng import rng_states, set_rng_states
 from ...updater.retained_optimizer import hyperparameters
+from .internals import checkpointed_objects, mark_step_not_skipped, prepared_schedulers, set_sync_gradients
 from .loader import Position
 
 
 class ResumableAccelerator(Protocol):
     """What a payload reads from and puts back into ``LetoAccelerator`` (a protocol: this module
-    sits below it). Accelerate's own ``step``, ``scaler``, ``gradient_state``, ``_schedulers``
-    and ``_custom_objects``; Leto's prepared optimizer, loaders, recovery count and store."""
+    sits below it). Accelerate's own ``step``, ``scaler`` and ``gradient_state`` (its schedulers
+    and registered objects through ``internals``); Leto's prepared optimizer, loaders, recovery
+    count and store."""
 
     step: int
     scaler: Any
     gradient_state: Any
-    _schedulers: list[Any]
-    _custom_objects: list[Any]
     leto_optimizer: Any
     leto_loaders: list[Any]
     leto_recoveries: int
@@ -69,9 +70,9 @@ def capture(acc: ResumableAccelerator, kind: str, loader: Any | None) -> dict:
     return {
         "version": PAYLOAD_VERSION, "kind": kind, "step": int(acc.step),
         "hparams": hyperparameters(acc.leto_optimizer.optimizer),
-        "schedulers": [s.scheduler.state_dict() for s in acc._schedulers],
+        "schedulers": [s.scheduler.state_dict() for s in prepared_schedulers(acc)],
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-        "custom": [obj.state_dict() for obj in acc._custom_objects],
+        "custom": [obj.state_dict() for obj in checkpointed_objects(acc)],
         "rng": rng_states(),
         "loader": loader.leto_position() if loader is not None else None,
         "epochs": [int(getattr(dl, "iteration", 0)) for dl in acc.leto_loaders],
@@ -84,11 +85,12 @@ def restore(acc: ResumableAccelerator, payload: dict) -> ResumePoint:
     """Put back everything but retained memory; position the prepared loaders."""
     acc.step = payload["step"]
     apply_param_groups(acc.leto_optimizer.optimizer, payload["hparams"])
-    for sched, state in zip(acc._schedulers, payload["schedulers"]):
+    for sched, state in zip(prepared_schedulers(acc), payload["schedulers"]):
         sched.scheduler.load_state_dict(state)
     if acc.scaler is not None and payload["scaler"] is not None:
         acc.scaler.load_state_dict(payload["scaler"])
-    for obj, state in zip(acc._custom_objects, payload["custom"] or ()):  # None: a checkpoint's (Accelerate's own)
+    # custom is None in a checkpoint's payload (Accelerate loads those objects itself)
+    for obj, state in zip(checkpointed_objects(acc), payload["custom"] or ()):
         obj.load_state_dict(state)
     acc.leto_recovery_log.restore(payload.get("recovery_log"))
     if payload["kind"] == PREPARE:
@@ -110,15 +112,15 @@ def finish_step(acc: ResumableAccelerator) -> None:
     step after ``opt.step()`` and the scaler's ``update()`` of a step that was not skipped."""
     state = acc.gradient_state
     synced = state.sync_gradients
-    state._set_sync_gradients(True)
+    set_sync_gradients(state, True)
     opt = acc.leto_optimizer
-    opt._is_overflow = False
-    opt.optimizer._opt_called = True  # what torch's LR-scheduler step wrapper would have set
+    mark_step_not_skipped(opt)
+    mark_optimizer_stepped(opt.optimizer)  # what torch's LR-scheduler step wrapper would have set
     try:
-        for sched in acc._schedulers:
+        for sched in prepared_schedulers(acc):
             sched.step()
     finally:
-        state._set_sync_gradients(synced)
+        set_sync_gradients(state, synced)
     if acc.scaler is not None:
         acc.scaler.load_state_dict(scaler_after_step(acc.scaler.state_dict()))
 
@@ -129,11 +131,11 @@ def scaler_after_step(state: dict) -> dict:
     if not state or state.get("scale") is None:  # a disabled scaler's state is empty
         return state
     state = dict(state)
-    tracker = int(state["_growth_tracker"]) + 1
+    tracker = int(state[GROWTH_TRACKER]) + 1
     if tracker == int(state["growth_interval"]):
         state["scale"] = float(state["scale"]) * float(state["growth_factor"])
         tracker = 0
-    state["_growth_tracker"] = tracker
+    state[GROWTH_TRACKER] = tracker
     return state
 
 

@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from .fit_state import BatchPhase, FitState
+from .internals import should_accumulate
 from .plateau import allow_epoch_steps
 from .resume import capture, capturing, settle_rerun_validation
 
@@ -166,4 +167,4 @@ def step_skipped(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     True)`` before validation) were not adopted, as no step ran: the next window's
     ``RetainedOptimizer.zero_grad`` points the params back at their zeroed views.
     """
-    return pl_module.automatic_optimization and not trainer.fit_loop._should_accumulate()
+    return pl_module.automatic_optimization and not should_accumulate(trainer)

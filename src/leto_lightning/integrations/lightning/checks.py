@@ -11,7 +11,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import Strategy
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -20,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ...errors import ConfigurationError
 from ...updater.retained_optimizer import optimizer_family
 from ...updater.zero1 import check_zero1
+from .internals import is_mock_optimizer
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -113,7 +113,7 @@ def the_optimizer(strategy: Strategy, trainer: pl.Trainer) -> torch.optim.Optimi
         raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
                          f"{len(strategy.optimizers)}")
     optimizer = strategy.optimizers[0]
-    if isinstance(optimizer, _MockOptimizer):
+    if is_mock_optimizer(optimizer):
         raise ConfigurationError("configure_optimizers() returned None: LetoStrategy protects the optimizer's state "
                                  "and the updates, and this fit has neither -- return an optimizer, or train "
                                  "without one under strategy='ddp'")

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
-from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+from ...retained.torch_internals import skip_sampled_indices
 
 
 class ResumableDataLoader:
@@ -156,10 +157,7 @@ class ResumableDataLoader:
 
 def _advance(inner: Iterator, n: int, iterable_dataset: bool) -> None:
     """Skip ``n`` batches; for a single-process map-style loader without loading them."""
-    if isinstance(inner, _SingleProcessDataLoaderIter) and not iterable_dataset:
-        for _ in range(n):
-            next(inner._sampler_iter)  # indices only: no __getitem__, no collation
-        inner._num_yielded += n
-        return
+    if not iterable_dataset and skip_sampled_indices(inner, n):
+        return  # indices only: no __getitem__, no collation
     for _ in range(n):  # worker processes already hold indices: load and drop
         next(inner)

@@ -31,6 +31,7 @@ from ...errors import UsageError
 from ...faults.points import point
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
+from ...retained.torch_internals import mark_optimizer_stepped
 from ...runtime.link import RuntimeLink
 from ...runtime.storage import restore_replaced
 from ...updater.retained_optimizer import RetainedOptimizer
@@ -39,6 +40,13 @@ from .data import ResumableDataLoader
 from .environment import LetoEnvironment, under_leto_launch
 from .fit_state import FitMode, FitState
 from .frozen import FrozenPayload
+from .internals import (
+    attached_trainer,
+    process_group_backend,
+    process_group_timeout,
+    select_fit_ckpt_path,
+    training_loaders,
+)
 from .logs import LogKeeper
 from .options import RETAINED_CKPT, LetoRuntimeOptions
 from .plateau import restore_monitored
@@ -64,7 +72,6 @@ class LetoHost(Protocol):
     resumed_from: dict | None
     env_resume_used: bool
     train_loaders: weakref.WeakSet[ResumableDataLoader]
-    _timeout: Any
 
     @property
     def module(self) -> pl.LightningModule: ...
@@ -81,8 +88,6 @@ class LetoHost(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
     def set_world_ranks(self) -> None: ...
-
-    def _get_process_group_backend(self) -> str: ...
 
     def release(self, unlink: bool = False) -> None: ...
 
@@ -116,8 +121,7 @@ def leto_settings(kwargs: dict[str, Any], retained: RetainedConfig | None, job_i
 # -- environment ---------------------------------------------------------------------------
 def prepare_logs(host: LetoHost) -> None:
     """At ``setup_environment``, before Lightning creates experiments: continue the loggers."""
-    module = host.lightning_module
-    trainer = module._trainer if module is not None else None
+    trainer = attached_trainer(host.lightning_module)
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         host.logs.prepare(trainer, host.runtime, host.global_rank, host.fit_state.mode.continues)
 
@@ -127,9 +131,10 @@ def init_session_group(host: LetoHost, link: RuntimeLink) -> None:
     group must live under the session's generation (or shadow-set) prefix."""
     reset_seed()
     host.set_world_ranks()
-    backend = host._get_process_group_backend()
+    backend = process_group_backend(host)
     if not torch.distributed.is_initialized():
-        timeout = host._timeout if host._timeout is not None else default_pg_timeout
+        timeout = process_group_timeout(host)
+        timeout = timeout if timeout is not None else default_pg_timeout
         link.init_process_group(backend, timeout.total_seconds())
 
 
@@ -181,7 +186,7 @@ def retained_step(host: LetoHost, closure: Callable | None, step: Callable[[Call
     elif link is not None:  # 16-mixed: the precision plugin ran the closure before the scaler's step
         link.update_start(ro.iteration)
     loss = step(closure)
-    ro.optimizer._opt_called = True  # type: ignore[attr-defined]  # what the LR scheduler's step wrapper sets
+    mark_optimizer_stepped(ro.optimizer)  # what the LR scheduler's step wrapper sets
     host.fit_state.step_committed()
     if link is not None:
         link.step_done(ro.iteration - 1)
@@ -233,7 +238,7 @@ def say_mid_epoch_resume(host: LetoHost, trainer: pl.Trainer, with_payload: bool
         return
     if trainer.global_step % math.ceil(batches / trainer.accumulate_grad_batches) == 0:
         return
-    loaders = trainer.fit_loop._combined_loader.flattened if trainer.fit_loop._combined_loader is not None else []
+    loaders = training_loaders(trainer)
     if not loaders or not all(isinstance(x, ResumableDataLoader) for x in loaders):
         return  # Lightning warns itself about a loader that is not resumable
     where = f"{type(host).__name__} is {MID_EPOCH} (global step {trainer.global_step})"
@@ -287,8 +292,7 @@ def checkpoint_saved(host: LetoHost, checkpoint: dict[str, Any], is_global_zero:
 
 def wrap_train_loader(host: LetoHost, dataloader: object) -> object:
     """The training loader becomes a ``ResumableDataLoader`` (other loaders stay as they are)."""
-    module = host.lightning_module
-    trainer = module._trainer if module is not None else None
+    trainer = attached_trainer(host.lightning_module)
     if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
         return dataloader
     wrapped = ResumableDataLoader(dataloader, _processed_counter(trainer))
@@ -356,8 +360,7 @@ def begin_fit(host: LetoHost, ckpt_path: Any, trainer: pl.Trainer | None) -> Any
     if ckpt_path is not None and not from_retained and trainer is not None:
         for callback in trainer.checkpoint_callbacks:  # a save a crash cut between its two renames
             restore_replaced(getattr(callback, "dirpath", None) or "")
-        ckpt_path = ckpt_file = trainer._checkpoint_connector._select_ckpt_path(
-            TrainerFn.FITTING, ckpt_path, model_provided=True, model_connected=trainer.lightning_module is not None)
+        ckpt_path = ckpt_file = select_fit_ckpt_path(trainer, ckpt_path)
     if from_retained:
         host.fit_state.begin(FitMode.SHADOW if host.runtime is not None else FitMode.FROM_RETAINED)
     else:

@@ -72,6 +72,13 @@ from .fit_hooks import (
 )
 from .fit_state import FitMode, FitState
 from .frozen import FrozenPayload
+from .internals import (
+    attached_trainer,
+    saves_distributed_checkpoint,
+    set_launcher,
+    set_process_group_backend,
+    shard_every_rank,
+)
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT
@@ -166,15 +173,14 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         check_launch(self)  # Leto never spawns ranks; say how to start them
-        self._launcher = LetoLauncher(self)
+        set_launcher(self, LetoLauncher(self))
 
     # -- environment -------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         if self.runtime is not None:
             self.runtime.connect()  # shadows at level 1/2 wait here until promoted
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards
+        shard_every_rank(self)
         super().setup_environment()
         prepare_logs(self)
 
@@ -183,7 +189,7 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
         if self.runtime is None:
             super()._setup_distributed()
             return
-        self._process_group_backend = self._get_process_group_backend()
+        set_process_group_backend(self)
         init_session_group(self, self.runtime)
 
     # -- setup -------------------------------------------------------------------------------
@@ -286,7 +292,7 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
         directory (``last.ckpt`` every time), so a rank killed mid-save left new shards of some
         ranks beside old shards of others, which a restart loaded as one checkpoint."""
         path = Path(self.broadcast(str(filepath)))
-        if not self._save_distributed_checkpoint:
+        if not saves_distributed_checkpoint(self):
             super().save_checkpoint(checkpoint, path, storage_options)
         else:
             staged = path.with_name(f".{path.name}.saving")
@@ -348,8 +354,7 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
     # -- the end -------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        module = self._lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         try:
             super().teardown()

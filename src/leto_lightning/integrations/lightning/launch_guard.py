@@ -5,13 +5,14 @@ Why: ``leto launch`` starts every rank's active trainer and its shadows, and alr
 default) there used to fail deep in ``init_process_group`` (``EADDRINUSE``) -- or, with
 FSDP1 on a GPU, would train with nothing retained. Lightning has no hook that sees every
 strategy choice, so this wraps ``Trainer.__init__`` in trainer processes of ``leto launch``
-only (installed when ``lightning.pytorch`` is imported there; never elsewhere).
+only (installed when ``lightning.pytorch`` is imported there; never elsewhere), through
+``internals.replace_trainer_init`` (the package's one patch of a Lightning class).
 """
 
 from __future__ import annotations
 
-import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import ConfigurationError
@@ -27,21 +28,21 @@ def install() -> None:
     """Wrap ``Trainer.__init__`` once, in a trainer process of ``leto launch``."""
     if not under_launcher(os.environ):
         return
-    import lightning.pytorch as pl
+    from .internals import replace_trainer_init
 
-    init = pl.Trainer.__init__
-    if getattr(init, "leto_guard", False):
-        return
+    replace_trainer_init(_guard)
 
-    @functools.wraps(init)
-    def guarded(self: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+
+def _guard(init: Callable[..., None]) -> Callable[..., None]:
+    """``Trainer.__init__`` that refuses FSDP1 first and a strategy Leto cannot protect after."""
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> None:
         given = kwargs.get("strategy", "auto")
         refuse_fsdp1_strategy(given)
         init(self, *args, **kwargs)
         check_leto_strategy(given, self.strategy)
 
-    guarded.leto_guard = True  # type: ignore[attr-defined]
-    pl.Trainer.__init__ = guarded  # type: ignore[method-assign]
+    return guarded
 
 
 def _shown(given: Any) -> str:

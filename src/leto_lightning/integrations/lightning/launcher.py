@@ -37,14 +37,13 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from ...console import notice
 from ...runtime.contract import NO_SUPERVISE
 from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
+from .internals import Launcher, is_fit_impl, set_num_threads_if_needed
 from .per_rank import become_rank_agent, detect
 
 
@@ -117,7 +116,7 @@ def check_launch(strategy: LaunchedStrategy) -> None:
             f"every rank when one dies, which is what Leto recovers from in place. Start the script with {command}.")
 
 
-class LetoLauncher(_Launcher):
+class LetoLauncher(Launcher):
     """Runs the trainer function in this process; never spawns ranks (``leto launch`` does)."""
 
     def __init__(self, strategy: LaunchedStrategy) -> None:
@@ -135,8 +134,8 @@ class LetoLauncher(_Launcher):
         # What "ddp"'s launcher does in every process it runs (started by it, torchrun or by hand): with
         # OMP_NUM_THREADS unset, CPUs // processes intra-op threads. Another thread count changes the
         # reduction order of CPU kernels (LayerNorm gradients differ by an ulp from the first step).
-        _set_num_threads_if_needed(num_processes=strategy.num_processes)
-        if getattr(function, "__name__", "") == "_fit_impl":
+        set_num_threads_if_needed(num_processes=strategy.num_processes)
+        if is_fit_impl(function):
             bound = inspect.signature(function).bind(*args, **kwargs)
             bound.arguments["ckpt_path"] = strategy.resolve_fit_ckpt_path(bound.arguments.get("ckpt_path"), trainer)
             args, kwargs = bound.args, bound.kwargs

@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ...console import say
 from ...runtime.contract import RESUME, ResumeMode
+from . import internals
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
 from .tensorboard_logs import TensorBoardContinuity
 
@@ -99,26 +99,28 @@ class LogKeeper:
         resumes = link is not None and link.resumes
         if link is not None:  # the logs go on from a payload
             continues = resumes or os.environ.get(RESUME) == ResumeMode.CHECKPOINT
-        logger: Any  # Lightning's loggers: their private _version, _experiment, _wandb_init are read here
+        logger: Any  # Lightning's loggers: their private version, experiment and wandb.init arguments (internals)
         for index, logger in enumerate(trainer.loggers):
-            if link is not None and getattr(logger, "_version", "") is None:
+            if link is not None and internals.version_unset(logger):
                 key = VERSION_KEY.format(index=index)
                 if rank == 0 and not resumes:
                     value = link.publish_once(key, str(logger.version))
                 else:
                     value = link.wait_value(key)
-                logger._version = int(value) if value.isdigit() else value
-            if link is not None and type(logger).__name__ == "WandbLogger" and logger._experiment is None:
+                internals.set_version(logger, int(value) if value.isdigit() else value)
+            if (link is not None and type(logger).__name__ == "WandbLogger"
+                    and internals.experiment_or_none(logger) is None):
                 # Trainers die by SIGKILL here by design (every HOF stops every active trainer):
                 # wandb's default 15 s between writes of its run file would lose that much history.
                 os.environ.setdefault(WANDB_FLUSH_ENV, str(WANDB_FLUSH_S))
                 # One wandb run per trainer process: grouped, so the job reads as one in the UI.
-                if logger._wandb_init.get("group") is None:
-                    logger._wandb_init["group"] = wandb_group(link.run_dir)
+                init = internals.wandb_init_kwargs(logger)
+                if init.get("group") is None:
+                    init["group"] = wandb_group(link.run_dir)
             if isinstance(logger, CSVLogger) and rank == 0:
                 self._count_rows(index, logger)
-                if continues and logger._experiment is None:
-                    logger._experiment = _writer_keeping_file(logger.log_dir)
+                if continues and internals.experiment_or_none(logger) is None:
+                    internals.set_experiment(logger, internals.csv_writer_keeping_file(logger.log_dir))
                     self.kept.add(index)
             if isinstance(logger, TensorBoardLogger) and rank == 0:
                 self.tensorboard[index] = TensorBoardContinuity.of(logger)
@@ -144,7 +146,7 @@ class LogKeeper:
     def state(self, trainer: pl.Trainer, kind: str) -> dict[str, Any] | None:
         if not self.active:
             return None
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = internals.batches_that_stepped(trainer)
         return {"csv_rows": dict(self.rows), "recoveries": sorted(self.logged_recoveries),
                 "recovered": self.recovered_total, "ckpt_step": self._newest_checkpoint(trainer),
                 "tensorboard": {i: tb.state(step) for i, tb in self.tensorboard.items()},
@@ -181,7 +183,7 @@ class LogKeeper:
         pending, self.pending = self.pending, None
         if pending:
             metrics = dict(pending["metrics"], epoch=pending["epoch"])
-            trainer._logger_connector.log_metrics(metrics, step=pending["step"])
+            internals.log_metrics(trainer, metrics, step=pending["step"])
 
     # -- recovery metrics --------------------------------------------------------------------
     def log_recoveries(self, trainer: pl.Trainer) -> int:
@@ -197,7 +199,7 @@ class LogKeeper:
             kept = max(0, resume_step - self.start[2])
             metrics = metrics_for(event, self.reader.events, kept, self.recovered_total)
             metrics["leto/recovery/resume_step"] = float(resume_step)
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            step = internals.batches_that_stepped(trainer)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
                 logger.save()
@@ -216,7 +218,7 @@ class LogKeeper:
         """The global step of the newest checkpoint file: the callbacks' own, the payload's
         (ModelCheckpoint does not restore it), and with ``ask_job`` the job's store (under
         ``leto launch``: a file saved after the payload this process resumed from)."""
-        steps = [getattr(cb, "_last_global_step_saved", 0) for cb in trainer.checkpoint_callbacks]
+        steps = [internals.last_global_step_saved(cb) for cb in trainer.checkpoint_callbacks]
         published = self.link.get_value(CKPT_STEP_KEY) if ask_job and self.link is not None else None
         return max([self.ckpt_step, *steps, int(published or 0)])
 
@@ -247,25 +249,11 @@ class LogKeeper:
 
 def pending_step_metrics(trainer: pl.Trainer) -> dict[str, Any] | None:
     """What ``update_train_step_metrics`` will log after this batch (None: nothing)."""
-    connector = trainer._logger_connector
-    fast_dev_run = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Lightning's init
-    if trainer.fit_loop._should_accumulate() or not (connector.should_update_logs or fast_dev_run):
-        return None
-    if trainer._results is None or connector._first_loop_iter is None:
-        return None
-    metrics = connector.metrics["log"]
+    metrics = internals.step_metrics_due(trainer)
     if not metrics:
         return None
     return {"metrics": {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()},
-            "step": trainer.fit_loop.epoch_loop._batches_that_stepped, "epoch": trainer.current_epoch}
-
-
-def _writer_keeping_file(log_dir: str) -> ExperimentWriter:
-    """``CSVLogger``'s writer without its deletion of an existing ``metrics.csv``."""
-    writer = ExperimentWriter.__new__(ExperimentWriter)
-    writer._check_log_dir_exists = lambda: None  # type: ignore[method-assign]
-    ExperimentWriter.__init__(writer, log_dir)
-    return writer
+            "step": internals.batches_that_stepped(trainer), "epoch": trainer.current_epoch}
 
 
 def _truncate(writer: Any, rows: int) -> int:

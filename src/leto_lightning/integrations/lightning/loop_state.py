@@ -18,17 +18,16 @@ import logging
 import weakref
 from typing import Any
 
-from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.loops.progress import _BaseProgress
+from .internals import BaseProgress, Loop
 
 logger = logging.getLogger(__name__)
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
-_CHECKED: weakref.WeakKeyDictionary[_Loop, bool] = weakref.WeakKeyDictionary()  # loop -> fast path agrees
+_CHECKED: weakref.WeakKeyDictionary[Loop, bool] = weakref.WeakKeyDictionary()  # loop -> fast path agrees
 _SCALARS = (int, float, bool, str, type(None))
 
 
-def loop_state_dict(loop: _Loop) -> dict[str, Any]:
+def loop_state_dict(loop: Loop) -> dict[str, Any]:
     """What ``loop.state_dict()`` returns (module doc)."""
     agrees = _CHECKED.get(loop)
     if agrees is None:
@@ -43,9 +42,9 @@ def loop_state_dict(loop: _Loop) -> dict[str, Any]:
     return _fast(loop) if agrees else loop.state_dict()
 
 
-def _fast(loop: _Loop, destination: dict[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
-    """``_Loop.state_dict``'s traversal, with progress objects read field by field."""
-    if type(loop).state_dict is not _Loop.state_dict:  # a loop with its own state_dict: its own
+def _fast(loop: Loop, destination: dict[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
+    """``Loop.state_dict``'s traversal, with progress objects read field by field."""
+    if type(loop).state_dict is not Loop.state_dict:  # a loop with its own state_dict: its own
         out = loop.state_dict()
         if destination is not None:
             destination.update({prefix + k: v for k, v in out.items()})
@@ -53,9 +52,9 @@ def _fast(loop: _Loop, destination: dict[str, Any] | None = None, prefix: str = 
     destination = {} if destination is None else destination
     destination[prefix + "state_dict"] = loop.on_save_checkpoint()
     for key, value in loop.__dict__.items():
-        if isinstance(value, _BaseProgress):
+        if isinstance(value, BaseProgress):
             destination[prefix + key] = _progress(value)
-        elif isinstance(value, _Loop):
+        elif isinstance(value, Loop):
             _fast(value, destination, prefix + key + ".")
     return destination
 

@@ -30,6 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from .internals import (
+    fit_loop_restarting,
+    num_ready_batches_reached,
+    restore_callback_metrics,
+    set_fit_loop_restarting,
+    should_accumulate,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
@@ -52,11 +60,11 @@ def plateau_due(trainer: pl.Trainer) -> list[tuple[int, str]]:
     if not trainer.lightning_module.automatic_optimization:
         return []  # Lightning steps no scheduler in manual optimization
     due: list[tuple[int, str]] = []
-    if not loop._should_accumulate():
+    if not should_accumulate(trainer):
         batch = loop.batch_idx + 1
         due += [(i, "step") for i, c in enumerate(configs)
                 if c.reduce_on_plateau and c.interval == "step" and batch % c.frequency == 0]
-    if loop._num_ready_batches_reached():
+    if num_ready_batches_reached(trainer):
         epoch = trainer.current_epoch + 1
         due += [(i, "epoch") for i, c in enumerate(configs)
                 if c.reduce_on_plateau and c.interval == "epoch" and epoch % c.frequency == 0]
@@ -88,12 +96,12 @@ def apply_due(trainer: pl.Trainer, payload: dict[str, Any],
 def restore_monitored(trainer: pl.Trainer, values: dict[str, Any]) -> None:
     """Put a payload's monitored metrics back into ``callback_metrics`` (a resumed fit)."""
     if values:
-        trainer._logger_connector._callback_metrics.update(values)
+        restore_callback_metrics(trainer, values)
 
 
 def allow_epoch_steps(trainer: pl.Trainer) -> None:
     """At ``on_train_epoch_end`` of a resumed fit: let Lightning step epoch-interval plateau
     schedulers, as it does in an uninterrupted run (module doc)."""
-    if trainer.fit_loop._restarting and any(
+    if fit_loop_restarting(trainer) and any(
             c.reduce_on_plateau and c.interval == "epoch" for c in trainer.lr_scheduler_configs):
-        trainer.fit_loop._restarting = False
+        set_fit_loop_restarting(trainer, False)

@@ -29,9 +29,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer import call
 
+from ...retained.torch_internals import GROWTH_TRACKER, amp_update_scale_, mark_optimizer_stepped
 from ...updater.retained_optimizer import hyperparameters
+from . import internals
+from .internals import callbacks_state_dict, num_ready_batches_reached
 from .loop_state import loop_state_dict
 from .plateau import apply_due, monitored, plateau_due
 
@@ -148,7 +150,7 @@ def _capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
     global _capturing
     _capturing = True
     try:
-        callbacks = call._call_callbacks_state_dict(trainer)
+        callbacks = callbacks_state_dict(trainer)
     finally:
         _capturing = False
     module = trainer.lightning_module
@@ -193,7 +195,7 @@ def schedulers_due(trainer: pl.Trainer) -> list[int]:
     batch = loop.batch_idx + 1
     due = [i for i, c in enumerate(configs) if not c.reduce_on_plateau and c.interval == "step"
            and batch % c.frequency == 0]
-    if loop._num_ready_batches_reached():
+    if num_ready_batches_reached(trainer):
         epoch = trainer.current_epoch + 1
         due += [i for i, c in enumerate(configs) if not c.reduce_on_plateau and c.interval == "epoch"
                 and epoch % c.frequency == 0]
@@ -203,9 +205,7 @@ def schedulers_due(trainer: pl.Trainer) -> list[int]:
 def validation_due(trainer: pl.Trainer) -> bool:
     """Whether Lightning runs validation after this training batch (in the epoch loop's
     ``on_advance_end``, after ``on_train_batch_end``)."""
-    loop = trainer.fit_loop.epoch_loop
-    fetcher = trainer.fit_loop._data_fetcher
-    return fetcher is not None and bool(loop._should_check_val_fx(fetcher))
+    return internals.validation_due(trainer)
 
 
 def resume_into_validation(loops: dict[str, Any]) -> dict[str, Any]:
@@ -275,7 +275,7 @@ def step_schedulers(trainer: pl.Trainer, out: dict[str, Any], steps: list[tuple[
     configs = trainer.lr_scheduler_configs
     for config, state in zip(configs, out["lr_schedulers"]):
         config.scheduler.load_state_dict(state)
-    optimizer._opt_called = True  # type: ignore[attr-defined]  # the step did happen (torch warns otherwise)
+    mark_optimizer_stepped(optimizer)  # the step did happen (torch warns otherwise)
     out["loops"] = copy.deepcopy(out["loops"])
     for i, metric in steps:
         trainer.lightning_module.lr_scheduler_step(configs[i].scheduler, metric)
@@ -295,13 +295,13 @@ def scaler_after_step(state: dict[str, Any] | None) -> dict[str, Any] | None:
     (growth by ``growth_factor`` after ``growth_interval`` successful steps, unless the new
     scale would be inf; the growth tracker counts or restarts).
     """
-    if not state or "_growth_tracker" not in state:
+    if not state or GROWTH_TRACKER not in state:
         return state
     scale = torch.full((), state["scale"], dtype=torch.float32)
-    tracker = torch.full((), state["_growth_tracker"], dtype=torch.int32)
-    torch._amp_update_scale_(scale, tracker, torch.zeros((), dtype=torch.float32), state["growth_factor"],
-                             state["backoff_factor"], state["growth_interval"])
-    return dict(state, scale=scale.item(), _growth_tracker=int(tracker.item()))
+    tracker = torch.full((), state[GROWTH_TRACKER], dtype=torch.int32)
+    amp_update_scale_(scale, tracker, torch.zeros((), dtype=torch.float32), state["growth_factor"],
+                      state["backoff_factor"], state["growth_interval"])
+    return {**state, "scale": scale.item(), GROWTH_TRACKER: int(tracker.item())}
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -337,8 +337,7 @@ def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> 
 def restore_callbacks(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """What Lightning's ``restore_callbacks`` does with a loaded checkpoint: every callback's
     ``on_load_checkpoint``, then its ``load_state_dict`` with its saved state."""
-    call._call_callbacks_on_load_checkpoint(trainer, checkpoint)
-    call._call_callbacks_load_state_dict(trainer, checkpoint)
+    internals.restore_callbacks(trainer, checkpoint)
 
 
 def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dict[str, Any]:

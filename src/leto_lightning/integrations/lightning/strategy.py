@@ -66,6 +66,7 @@ from .fit_hooks import (
     wrap_train_loader,
 )
 from .fit_state import FitMode, FitState
+from .internals import attached_trainer, ddp_init_sync_off, set_launcher, set_process_group_backend
 from .launcher import LetoLauncher, check_launch
 from .logs import LogKeeper
 from .options import RETAINED_CKPT
@@ -163,7 +164,7 @@ class LetoStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         check_launch(self)  # at Trainer(...): Leto never spawns ranks; say how to start them
-        self._launcher = LetoLauncher(self)
+        set_launcher(self, LetoLauncher(self))
 
     # -- environment -------------------------------------------------------------------------
     @override
@@ -178,7 +179,7 @@ class LetoStrategy(DDPStrategy):
         if self.runtime is None:
             super().setup_distributed()
             return
-        self._process_group_backend = self._get_process_group_backend()
+        set_process_group_backend(self)
         init_session_group(self, self.runtime)
 
     # -- setup -------------------------------------------------------------------------------
@@ -215,11 +216,8 @@ class LetoStrategy(DDPStrategy):
             # A shadow is built up to here while the active trainers still write the same
             # memory: DDP must not broadcast into it. After promotion every rank's retained
             # parameters are the same committed values, so no broadcast is needed at all.
-            self._ddp_kwargs["init_sync"] = False
-            try:
+            with ddp_init_sync_off(self):
                 super().configure_ddp()
-            finally:
-                self._ddp_kwargs.pop("init_sync", None)
             assert self.runtime is not None  # SHADOW: under leto launch
             self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
             self.resume_payload = ro.resume()
@@ -387,8 +385,7 @@ class LetoStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        module = self._lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         try:
             super().teardown()

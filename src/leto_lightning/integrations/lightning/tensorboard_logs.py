@@ -34,7 +34,7 @@ from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
-_MISSING = object()
+from . import internals
 
 
 class TensorBoardContinuity:
@@ -72,7 +72,7 @@ class TensorBoardContinuity:
     # -- the resume payload ------------------------------------------------------------------
     def state(self, next_step: int) -> dict[str, Any]:
         """What a process resuming from the payload being captured needs; flushes the writer."""
-        experiment = self.logger._experiment
+        experiment = internals.experiment_or_none(self.logger)
         if experiment is not None and hasattr(experiment, "flush"):
             experiment.flush()
         purge = next_step if self.last_step is None else min(next_step, self.last_step)
@@ -84,7 +84,7 @@ class TensorBoardContinuity:
         purge = int(state["purge_step"]) if state else 0
         tail = state["tail"] if state else []
         logger = self.logger
-        old = logger._experiment
+        old = internals.experiment_or_none(logger)
         placeholder = event_file(old) if old is not None else None
         directory = logger.log_dir
         if not any("tfevents" in n and os.path.join(directory, n) != placeholder
@@ -94,16 +94,7 @@ class TensorBoardContinuity:
             old.close()
             if placeholder is not None and os.path.isfile(placeholder):
                 os.remove(placeholder)
-        user = logger._kwargs.get("purge_step", _MISSING)
-        logger._kwargs["purge_step"] = purge
-        logger._experiment = None
-        try:
-            experiment = logger.experiment  # its file begins with SessionLog.START at `purge`
-        finally:
-            if user is _MISSING:
-                logger._kwargs.pop("purge_step", None)
-            else:
-                logger._kwargs["purge_step"] = user
+        experiment = internals.new_tensorboard_experiment(logger, purge)  # begins with SessionLog.START at `purge`
         own = event_file(experiment)
         if own is not None:
             sort_before(own)
@@ -146,8 +137,7 @@ class _Hyperparams:
 
 def event_file(experiment: Any) -> str | None:
     """The event file a ``torch.utils.tensorboard.SummaryWriter`` writes (None if unknown)."""
-    writer = getattr(experiment, "file_writer", None)
-    return getattr(getattr(writer, "event_writer", None), "_file_name", None)
+    return internals.event_file_name(experiment)
 
 
 def sort_before(own: str) -> list[str]:

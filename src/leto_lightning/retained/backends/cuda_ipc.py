@@ -51,6 +51,7 @@ import torch
 from ...errors import ConfigurationError, UsageError
 from ...runtime.contract import CUDA_MANAGER, RUN_DIR
 from ..shm import SharedSegment
+from ..torch_internals import cuda_lazy_init, open_shared_cuda, uint8_tensor
 from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
 
 MANAGER_ENV = CUDA_MANAGER  # address of the manager new CUDA stores allocate from
@@ -224,8 +225,7 @@ def stop_private(address: str) -> None:
 # -- opening a buffer in a trainer -------------------------------------------------------
 def uint8_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor over ``storage``, built the way ``rebuild_cuda_tensor`` does."""
-    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
-    return torch._utils._rebuild_tensor(typed, 0, (nbytes,), (1,))
+    return uint8_tensor(storage, nbytes)
 
 
 def open_cuda_share(share: dict) -> torch.Tensor:
@@ -233,14 +233,14 @@ def open_cuda_share(share: dict) -> torch.Tensor:
     require_cuda()
     ipc = tuple(share["ipc"])
     device = int(ipc[0])
-    torch.cuda._lazy_init()
+    cuda_lazy_init()
     uuid = share.get("uuid", "")
     if device >= torch.cuda.device_count() or (uuid and gpu_uuid(device) not in ("", uuid)):
         raise DeviceManagerError(
             f"the state manager's cuda:{device} (GPU {uuid or '?'}) is not this process's cuda:{device}: "
             "trainer and state manager must see the same devices (the same CUDA_VISIBLE_DEVICES)"
         )
-    storage = torch.UntypedStorage._new_shared_cuda(*ipc)
+    storage = open_shared_cuda(ipc)
     return uint8_view(storage, int(ipc[2]))
 
 

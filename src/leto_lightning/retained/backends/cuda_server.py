@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..shm import SharedSegment
+from ..torch_internals import release_ipc_counter, set_cuda_allocator_settings, share_cuda
 from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
 
 _IDLE_CLIENT = 30.0  # s a connected client may stay silent before the manager moves on
@@ -54,7 +55,7 @@ class _Server:
             # Expandable segments are shared as file descriptors fetched with pidfd_getfd, which
             # containers commonly forbid (pytorch/pytorch#165685); plain cudaMalloc segments use
             # cudaIpcMemHandle, which any process of the same user can open.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            set_cuda_allocator_settings("expandable_segments:False")
         if self.device != "lazy":
             torch.cuda.set_device(int(self.device))
             torch.cuda.init()
@@ -84,8 +85,8 @@ class _Server:
             raise ValueError(f"buffer {name!r}: this state manager serves any device; the request must name one")
         self.devices.add(int(index))
         tensor = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
-        ipc = tensor.untyped_storage()._share_cuda_()  # event recorded after the zero fill
-        torch.UntypedStorage._release_ipc_counter_cuda(ipc[4], ipc[5])  # see the module docstring
+        ipc = share_cuda(tensor)  # event recorded after the zero fill
+        release_ipc_counter(ipc)  # see the module docstring
         torch.cuda.synchronize(index)
         share = {"kind": "cuda", "name": name, "nbytes": nbytes, "ipc": ipc, "uuid": gpu_uuid(index)}
         return _Buffer(nbytes, share, tensor)
