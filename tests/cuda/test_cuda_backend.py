@@ -16,6 +16,7 @@ import cuda_workers as w
 import pytest
 import torch
 
+from leto_lightning import new_job_id
 from leto_lightning.retained.backends import cuda_ipc
 from leto_lightning.retained.backends.cuda_ipc import (
     CudaSegment,
@@ -25,7 +26,6 @@ from leto_lightning.retained.backends.cuda_ipc import (
     uint8_view,
 )
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.shm import new_job_id
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
 HAS_CUDA = torch.cuda.is_available()

@@ -7,7 +7,7 @@ trainer is built (``LetoStrategy``, ``LetoConfig``), so a typo fails at construc
 minutes into a run. Why here, in ``runtime/``: they are neutral to the trainer library; the
 Lightning and the Accelerate integrations both use them.
 
-Environment (set by ``leto launch``; the names are ``runtime/contract.py``'s):
+Environment (set by ``leto launch``; the names are ``leto_lightning/env.py``'s):
 
 - ``LETO_JOB_ID``: the job whose retained segments this rank creates or attaches to;
 - ``LETO_RESUME``: ``"retained"`` = attach to the retained store and continue from it;
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .contract import JOB_ID, RESUME, ResumeMode
+from ..env import JOB_ID, RESUME, ResumeMode
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_]+$")
 

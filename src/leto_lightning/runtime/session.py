@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..env import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ProcessSettings, ResumeMode, Role, WorkerContract
 from ..errors import ConfigurationError, LetoTimeoutError, UsageError
 from ..faults.injector import FaultInjector
 from ..faults.points import point
@@ -40,7 +41,6 @@ from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_t
 from ..updater.transaction import ParityCodes
 from .auth import CHILD_ENV
 from .checkpoints import CheckpointCommits
-from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
 from .control import SignedStore
 from .keys import (
     EXCEPTION,
@@ -62,7 +62,7 @@ from .storage import atomic_torch_save, open_run_dir_file, run_dir_path
 @dataclass
 class SessionEnv:
     """What the launcher put in the environment: torchrun's variables and Leto's contract
-    (``runtime/contract.py``). ``generation`` moves on when a shadow is promoted."""
+    (``leto_lightning/env.py``). ``generation`` moves on when a shadow is promoted."""
 
     role: Role
     rank: int
@@ -195,7 +195,8 @@ class Session:
             ro = fsdp2.ro
         else:
             self._wait_for_store()
-            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank))
+            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank),
+                                   settings=ProcessSettings.from_env())
             ro.bind(adopt=True, resume=False)
         self.wait_for_promotion()  # L3 shadows wait here, fully built
         point("promotion.resume")
@@ -228,14 +229,14 @@ class Session:
                                  "checkpoint: pass checkpoint=<the directory RetainedFSDP2.save_checkpoint wrote>")
             bound = create_fsdp2(model, optimizer, config or RetainedConfig(), job_id=e.job_id, rank=e.rank,
                                  node=e.node, local_rank=e.local_rank, n_local=e.local_world_size, barrier=barrier,
-                                 payload_fn=payload_fn)
+                                 payload_fn=payload_fn, settings=ProcessSettings.from_env())
             if checkpoint is not None:  # before STORE_READY: no shadow attaches to a store being restored
                 bound.load_checkpoint(checkpoint, iteration=iteration, payload=payload)
             self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
             return bound
         self._wait_for_store()
         return attach_fsdp2(model, optimizer, job_id=e.job_id, rank=e.rank, barrier=barrier, payload_fn=payload_fn,
-                            resume=False)
+                            resume=False, settings=ProcessSettings.from_env())
 
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
                 payload: object) -> RetainedOptimizer:
@@ -244,9 +245,10 @@ class Session:
         config.check_devices(e.local_world_size)
         layout = layout_for(optimizer, config)
         spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout, config)
-        created = RetainedStore.create(spec)
+        settings = ProcessSettings.from_env()
+        created = RetainedStore.create(spec, settings)
         point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
-        ro = RetainedOptimizer(optimizer, created)
+        ro = RetainedOptimizer(optimizer, created, settings=settings)
         ro.bind(adopt=False, iteration=iteration, payload=payload)
         self.barrier()
         if e.local_rank == 0 and spec.tier2.enabled:

@@ -42,7 +42,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from ...console import notice
-from ...runtime.contract import NO_SUPERVISE
+from ...env import NO_SUPERVISE
 from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
 from .per_rank import become_rank_agent, detect

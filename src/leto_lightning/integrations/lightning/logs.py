@@ -48,7 +48,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ...console import say
-from ...runtime.contract import RESUME, ResumeMode
+from ...env import RESUME, ResumeMode
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
 from .tensorboard_logs import TensorBoardContinuity
 
