@@ -21,8 +21,8 @@ from accelerate import Accelerator
 
 from leto_lightning import new_job_id
 from leto_lightning.accelerate import LetoAccelerator, LetoConfig
+from leto_lightning.errors import UnsafeCheckpoint
 from leto_lightning.retained.store import RetainedStore
-from leto_lightning.runtime.session import UnsafeCheckpoint
 from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 

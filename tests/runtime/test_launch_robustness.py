@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from leto_lightning import new_job_id
+from leto_lightning.errors import SharedMemoryCapacityError
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import (
-    SharedMemoryCapacityError,
     SharedSegment,
     list_segments,
     segment_name,

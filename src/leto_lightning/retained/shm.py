@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigurationError, IncompleteStoreError, UsageError
+from ..errors import ConfigurationError, IncompleteStoreError, SharedMemoryCapacityError, UsageError
 
 try:  # CPython's private helper, present on every POSIX build
     import _posixshmem
@@ -31,11 +31,6 @@ except ImportError:  # pragma: no cover - non-POSIX
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "leto-"
 SIZING_WAIT_S = 5.0  # how long an attacher waits for a segment's creator to give it its size
-
-
-class SharedMemoryCapacityError(ConfigurationError):
-    """``/dev/shm`` has less free space than the segments to create need: found before
-    allocating (a segment the kernel cannot back kills its user with SIGBUS at first touch)."""
 
 
 def shm_free_bytes() -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ProcessSettings, ResumeMode, Role, WorkerContract
-from ..errors import ConfigurationError, LetoTimeoutError, UsageError
+from ..errors import ConfigurationError, LetoTimeoutError, UnsafeCheckpoint, UsageError
 from ..faults.injector import FaultInjector
 from ..faults.points import point
 from ..retained.config import RetainedConfig
@@ -356,7 +356,7 @@ class ProtectedTraining:
 
     def begin(self, iteration: int) -> None:
         if iteration != self.optimizer.iteration:
-            raise RuntimeError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
+            raise UsageError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
         self.session.heartbeat(iteration, "compute")
         (self.sharded or self.optimizer).zero_grad()  # FSDP2: the DTensor grads point at their views again
         point("compute.begin", iteration=iteration)
@@ -420,10 +420,6 @@ class _SessionFaults:
         return self._session.store.get(SHADOWS_READY).decode()
 
 
-class UnsafeCheckpoint(ConfigurationError):
-    """A checkpoint holds more than tensors and plain containers: refused, never unpickled."""
-
-
 def load_checkpoint_file(path: str) -> dict:
     """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a pickle
     planted in the run dir is refused instead of run (what ``save_checkpoint`` writes loads)."""
@@ -463,8 +459,8 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
 def connect(env: SessionEnv, environ: Mapping[str, str] = os.environ) -> SignedStore:
     """The agent's store, signed with the job's secret (``LETO_AUTH_KEY``, set by the agent)."""
     if CHILD_ENV not in environ:
-        raise RuntimeError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "
-                           "`leto launch --nproc-per-node N script.py`")
+        raise UsageError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "
+                         "`leto launch --nproc-per-node N script.py`")
     store: dist.Store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                       timeout=timedelta(seconds=60))
     prefix = environ.get(STORE_PREFIX, "")

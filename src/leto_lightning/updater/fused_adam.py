@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..env import FUSED_ADAM
+from ..errors import InternalError
 from ..protection.checksum import crc64_address
 
 log = logging.getLogger("leto_lightning.updater.fused_adam")
@@ -62,7 +63,7 @@ class Kernel:
         crcs = np.zeros(len(pages), dtype=np.uint64)
         if self.encode(len(pages), addresses.ctypes.data, parity.data_ptr(), parity.numel(), crcs.ctypes.data,
                        self.crc) != 0:  # pragma: no cover - callers pass whole host pages
-            raise RuntimeError(f"leto_xor_encode_crc refused {len(pages)} pages of {parity.numel()} B")
+            raise InternalError(f"leto_xor_encode_crc refused {len(pages)} pages of {parity.numel()} B")
         return [int(c) for c in crcs]
 
 
@@ -168,7 +169,7 @@ class FusedChunk:
                         progress.ctypes.data if progress is not None else None, self._parity_at, crcs.ctypes.data,
                         n_pieces, at, rows.ctypes.data, k.crc, k.sqrt)
         if rc != 0:  # pragma: no cover - the plan is built to the kernel's contract
-            raise RuntimeError(f"leto_adam_chunk refused its arguments (begin={begin}, end={end})")
+            raise InternalError(f"leto_adam_chunk refused its arguments (begin={begin}, end={end})")
 
 
 def build_fused_chunk(pages: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], grads: torch.Tensor,

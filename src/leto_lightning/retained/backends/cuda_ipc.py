@@ -49,9 +49,15 @@ from typing import Any
 import torch
 
 from ...env import CUDA_MANAGER
-from ...errors import ConfigurationError, UsageError
+from ...errors import (
+    ConfigurationError,
+    CudaUnavailableError,
+    DeviceManagerError,
+    InternalError,
+    UsageError,
+)
 from ..shm import SharedSegment
-from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
+from .cuda_device import gpu_uuid, require_cuda
 
 MANAGER_ENV = CUDA_MANAGER  # names the agent's manager; read by runtime/ and integrations: ProcessSettings
 REQUEST_TIMEOUT = 300.0  # s: a multi-GiB allocation and its zero fill are not instant
@@ -68,7 +74,8 @@ def default_address(tag: str, directory: str | None = None) -> str:
 
 # -- client side -------------------------------------------------------------------------
 _ERRORS = {"FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
-           "CudaUnavailableError": CudaUnavailableError, "ValueError": ConfigurationError}
+           "CudaUnavailableError": CudaUnavailableError, "ConfigurationError": ConfigurationError,
+           "ValueError": ConfigurationError, "InternalError": InternalError}  # else DeviceManagerError
 
 
 CONNECT_WAIT = 120.0  # s a trainer waits for its agent's manager, launched beside it, to listen
