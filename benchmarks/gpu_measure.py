@@ -84,6 +84,7 @@ def _mlp(n_params: int, width: int = 4096) -> torch.nn.Module:
 def measure_update(n_params: int, manager, repeats: int = 5) -> list[Row]:
     """AdamW's step on ~``n_params`` fp32 parameters: torch's default (foreach) against the
     same step as chunk transactions on retained device memory; the memory each takes."""
+    from leto_lightning.env import ProcessSettings
     from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
     x = torch.randn(16, 4096, device="cuda")
@@ -102,7 +103,7 @@ def measure_update(n_params: int, manager, repeats: int = 5) -> list[Row]:
     model(x).square().mean().backward()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    ro = RetainedOptimizer.create(opt, retained_config())
+    ro = RetainedOptimizer.create(opt, retained_config(), settings=ProcessSettings.from_env())
     torch.cuda.synchronize()
     create = time.perf_counter() - t0
     torch.cuda.empty_cache()
@@ -173,6 +174,7 @@ def measure_iteration(manager, micro_batches: int = 8, batch: int = 8, seq: int 
                       timed_iterations: int = 2) -> list[Row]:
     """A ~1B GPT (fp32 master weights, bf16 autocast, gradient accumulation over ``micro_batches``
     of ``batch x seq`` tokens): whole iterations with torch's AdamW and with Leto's."""
+    from leto_lightning.env import ProcessSettings
     from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -183,7 +185,7 @@ def measure_iteration(manager, micro_batches: int = 8, batch: int = 8, seq: int 
         model = _GPT().cuda()
         n = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        stepper = RetainedOptimizer.create(opt, retained_config()) if leto else opt
+        stepper = RetainedOptimizer.create(opt, retained_config(), settings=ProcessSettings.from_env()) if leto else opt
         compute, update, whole = [], [], []
         for it in range(1 + timed_iterations):
             torch.cuda.synchronize()

@@ -43,7 +43,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import leto_lightning
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning import new_job_id
+from leto_lightning.retained.shm import unlink_segments
 
 # name: (width, layers, batch, seq) -- step times on a 2-vCPU Xeon, one thread
 SIZES = {"15ms": (64, 2, 8, 32), "150ms": (128, 4, 16, 32), "1500ms": (256, 4, 16, 96)}

@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from baselines.restart import Fault, RestartJob
 
+from leto_lightning.env import JOB_PREFIX
 from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.retained.shm import list_segments
-from leto_lightning.runtime.contract import JOB_PREFIX
 from leto_lightning.runtime.events import iter_events, read_events
 from leto_lightning.runtime.procs_state import is_alive
 

@@ -48,11 +48,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from leto_lightning import new_job_id
 from leto_lightning.models.config import ModelConfig, count_parameters
 from leto_lightning.models.data import MarkovChain
 from leto_lightning.models.moe_transformer import build_model
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.shm import SharedSegment, new_job_id, segment_name
+from leto_lightning.retained.shm import SharedSegment, segment_name
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
 PAPER = {  # Table 1 of the paper (OLMoE, ms): compute, update, total, overhead

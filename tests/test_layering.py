@@ -7,7 +7,7 @@ test, which starts a fresh interpreter without torch). Rules (docs/design.md sec
         |       (may import anything; only testing/, demos/ and cli.py import testing/ or demos/)
     integrations/  ->  runtime/  ->  updater/  ->  retained/  ->  protection/   (only downward)
 
-    leaves      errors.py, recipes.py (the recipe schema), runtime/contract.py, faults/ (named
+    leaves      errors.py, env.py (the LETO_* environment), recipes.py (the recipe schema), faults/ (named
                 points and the injectors built on them), console.py, extras.py: importable from
                 every layer; they import only other leaves
     models/     only models/ and the leaves
@@ -41,7 +41,7 @@ assert _SPEC is not None and _SPEC.submodule_search_locations
 SRC = Path(next(iter(_SPEC.submodule_search_locations)))
 
 CORE = ("protection", "retained", "updater", "runtime", "integrations")  # bottom to top
-LEAVES = {f"{ROOT}.errors", f"{ROOT}.recipes", f"{ROOT}.runtime.contract", f"{ROOT}.console", f"{ROOT}.extras"}
+LEAVES = {f"{ROOT}.errors", f"{ROOT}.env", f"{ROOT}.recipes", f"{ROOT}.console", f"{ROOT}.extras"}
 LEAF_PACKAGES = ("faults",)
 TOP_FILES = {"__init__", "cli", "train", "accelerate", "demo", "demo_e2e"}
 TOP_PACKAGES = ("examples", "testing", "demos")
@@ -189,7 +189,7 @@ def wrong_way(imp: Import) -> str | None:
     if dst == "leaf":
         return None
     if src == "leaf":
-        return "a leaf imports only other leaves (errors, recipes, runtime.contract, faults, console, extras)"
+        return "a leaf imports only other leaves (errors, env, recipes, faults, console, extras)"
     if src == "models":
         return None if dst == "models" else "models imports only models/ and the leaves"
     if src.startswith("core:") and dst.startswith("core:"):
@@ -320,9 +320,9 @@ def test_the_rules_catch_what_they_claim() -> None:
     assert why("protection.codec", "retained.store") and why("retained.store", "updater.transaction")
     assert why("runtime.agent", "integrations.lightning.strategy") and why("updater.recovery", "runtime.agent")
     assert why("integrations.lightning.strategy", "protection.codec") is None
-    assert why("retained.shm", "runtime.contract") is None and why("protection.codec", "errors") is None
-    assert why("runtime.contract", "runtime.session") and why("recipes", "models.moe_transformer")
-    assert why("sim.workload", "recipes") is None and why("sim.workload", "runtime.contract")
+    assert why("retained.shm", "env") is None and why("protection.codec", "errors") is None
+    assert why("env", "runtime.session") and why("recipes", "models.moe_transformer")
+    assert why("sim.workload", "recipes") is None and why("sim.workload", "env")
     assert why("sim.report", "models.moe_transformer") and why("models.data", "runtime.session")
     assert why("runtime.agent", "testing.crash") and why("cli", "testing.crash") is None
     assert why("examples.recipe_train", "demos.core") and why("testing.crash", "runtime.agent") is None

@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from leto_lightning.retained.shm import list_segments, new_job_id, segment_name, unlink_segments
+from leto_lightning import new_job_id
+from leto_lightning.retained.shm import list_segments, segment_name, unlink_segments
 
 TRAINER = str(Path(__file__).with_name("ddp_train.py"))
 MODES = ("disk", "shm", "shm-spare")

@@ -58,7 +58,6 @@ _LAZY = {  # public name -> the module that defines it (imported on first access
     "encode_tier2": "leto_lightning.updater.retained_optimizer",
     "ParityCodes": "leto_lightning.updater.transaction",
     "recover_node": "leto_lightning.updater.recovery",
-    "new_job_id": "leto_lightning.retained.shm",
     "unlink_segments": "leto_lightning.retained.shm",
 }
 
@@ -96,11 +95,20 @@ if TYPE_CHECKING:
     from .integrations.lightning.data import ResumableDataLoader
     from .integrations.lightning.strategy import LetoStrategy
     from .retained.config import RetainedConfig
-    from .retained.shm import new_job_id, unlink_segments
+    from .retained.shm import unlink_segments
     from .retained.store import RetainedStore
     from .updater.recovery import recover_node
     from .updater.retained_optimizer import RetainedOptimizer, encode_tier2
     from .updater.transaction import ParityCodes
+
+
+def new_job_id() -> str:
+    """A new random job id, starting with ``LETO_JOB_PREFIX`` when that is set
+    (``retained.shm.new_job_id`` with ``env.job_prefix()``)."""
+    from .env import job_prefix
+    from .retained.shm import new_job_id as new_id
+
+    return new_id(job_prefix())
 
 
 def __getattr__(name: str) -> Any:

@@ -21,8 +21,8 @@ import sys
 from typing import NoReturn
 
 from .console import error
+from .env import DEBUG
 from .errors import LetoError
-from .runtime.contract import DEBUG
 
 EXPECTED = (LetoError, ValueError, OSError)  # what the top level prints as one line
 

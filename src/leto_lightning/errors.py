@@ -4,6 +4,9 @@
 
     LetoError
     +-- ConfigurationError (also ValueError)   a bad setting or argument: fix it and start again
+    |   +-- SharedMemoryCapacityError           /dev/shm cannot hold the retained state (found before allocating)
+    |   +-- CudaUnavailableError (also RuntimeError)  backend="cuda" where torch sees no CUDA device
+    |   +-- UnsafeCheckpoint                    a checkpoint file holds more than tensors and containers
     +-- UsageError (also RuntimeError)          the API was called out of order
     +-- LetoTimeoutError (also TimeoutError)    something did not happen in time
     +-- InternalError (also RuntimeError)       a bug in leto-lightning (a broken invariant, e.g. an
@@ -12,6 +15,7 @@
                                                 message names the extra that installs it
     +-- RetainedStateError (also RuntimeError)  the retained state cannot be used: fall back to
         |                                       the last checkpoint (or a fresh start)
+        +-- DeviceManagerError                  the CUDA state manager holding it is gone or failed
         +-- IncompleteStoreError                the store was never completely initialised and
         |                                       protected (its creator died during set-up)
         +-- ProtectionError                     parity could not protect or repair it
@@ -20,6 +24,11 @@
 
 Catch the narrowest branch: ``except RetainedStateError`` is "resume from the checkpoint";
 ``except ConfigurationError`` (or the older ``except ValueError``) is a user error.
+
+Here: the root, its branches, and the errors one layer raises and another catches or
+classifies (``runtime/config.py`` stops a job on ``SharedMemoryCapacityError`` by name). Errors
+that stay inside one layer are defined beside their code, each a subclass of a branch here
+(``protection/errors.py``, ``runtime/phases.py``, ``runtime/storage.py``, ...).
 
 A leaf module: it imports nothing from the package, so every layer (protection/ included)
 may import it.
@@ -38,6 +47,21 @@ class LetoError(Exception):
 
 class ConfigurationError(LetoError, ValueError):
     """A setting or argument is invalid; the message names the value and the fix."""
+
+
+class SharedMemoryCapacityError(ConfigurationError):
+    """``/dev/shm`` has less free space than the segments to create need: found before
+    allocating (a segment the kernel cannot back kills its user with SIGBUS at first touch).
+    Raised by ``retained/shm.py``; the agent stops the job on it (``runtime/config.py``)."""
+
+
+class CudaUnavailableError(ConfigurationError, RuntimeError):
+    """``backend="cuda"`` where torch cannot use a CUDA device (``retained/backends``)."""
+
+
+class UnsafeCheckpoint(ConfigurationError):
+    """A checkpoint holds more than tensors and plain containers: refused, never unpickled
+    (``runtime/session.py``; the Accelerate integration's checkpoints too)."""
 
 
 class UsageError(LetoError, RuntimeError):
@@ -60,6 +84,11 @@ class InternalError(LetoError, RuntimeError):
 
 class RetainedStateError(LetoError, RuntimeError):
     """The retained state cannot be used: resume from the last checkpoint (or start fresh)."""
+
+
+class DeviceManagerError(RetainedStateError):
+    """The CUDA state manager cannot be reached, or failed (``retained/backends``; the agent's
+    ``runtime/state_managers.py`` catches it)."""
 
 
 class IncompleteStoreError(RetainedStateError):

@@ -29,8 +29,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .env import RECIPES_DIR
 from .errors import ConfigurationError
-from .runtime.contract import RECIPES_DIR
 
 if TYPE_CHECKING:
     from omegaconf.errors import OmegaConfBaseException

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from leto_lightning.env import RUN_DIR
 from leto_lightning.examples import accelerate_train as example
-from leto_lightning.runtime.contract import RUN_DIR
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -19,10 +19,10 @@ import safetensors.torch
 import torch
 from accelerate import Accelerator
 
+from leto_lightning import new_job_id
 from leto_lightning.accelerate import LetoAccelerator, LetoConfig
-from leto_lightning.retained.shm import new_job_id
+from leto_lightning.errors import UnsafeCheckpoint
 from leto_lightning.retained.store import RetainedStore
-from leto_lightning.runtime.session import UnsafeCheckpoint
 from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.updater.recovery import recover_node
 
@@ -254,8 +254,8 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path: Pa
 def test_the_fallback_takes_the_newest_checkpoint_every_rank_recorded(tmp_path) -> None:
     """The agent's checkpoint fallback (fallback.py): a rank that died while saving step 8 has
     not recorded it, so step 4 is taken; a new job forgets a previous job's records."""
+    from leto_lightning.env import RESUME, ResumeMode
     from leto_lightning.integrations.accelerate import fallback
-    from leto_lightning.runtime.contract import RESUME, ResumeMode
 
     for step in (4, 8):  # remember() is called once a checkpoint's files are written
         (tmp_path / f"step_{step}").mkdir()

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leto_lightning.env import ProcessSettings
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.testing.scenario import CoreScenario
 from leto_lightning.updater import fused_adam
@@ -103,8 +104,24 @@ def test_transaction_bytes_equal_unfused(monkeypatch, cls, kwargs, tier1_parity)
 
 
 def test_switch_turns_it_off(monkeypatch):
+    """``LETO_FUSED_ADAM=0`` is read where the environment is read (``ProcessSettings``, by
+    runtime/ and the integrations) and passed down: no chunk asks for the kernel then."""
     monkeypatch.setenv(fused_adam.ENV_SWITCH, "0")
-    assert fused_adam._load() == (None, "LETO_FUSED_ADAM=0")
+    off = ProcessSettings.from_env()
+    assert not off.fused_adam
+    assert fused_adam.switched_off() == (None, "LETO_FUSED_ADAM=0")
+    monkeypatch.setattr(fused_adam, "kernel", lambda: pytest.fail("LETO_FUSED_ADAM=0, yet the kernel was asked for"))
+    torch.manual_seed(0)
+    model = Net()
+    config = RetainedConfig(page_bytes=4096, chunk_pages=2, data_pages=4, tier1_parity=1)
+    ro = RetainedOptimizer.create(torch.optim.AdamW(model.parameters(), lr=1e-2), config, settings=off)
+    try:
+        model(torch.randn(7, 29)).square().mean().backward()
+        ro.step()
+        assert ro.iteration == 1
+    finally:
+        ro.store.close()
+        ro.store.unlink()
 
 
 XOR_TIER1 = RetainedConfig(page_bytes=4096, chunk_pages=2, data_pages=4, tier1_parity=1, tier2_parity=1,

@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
+from leto_lightning import new_job_id
 from leto_lightning.errors import IncompleteStoreError, LetoError, RetainedStateError, UnrecoverableDamageError
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.retained.spec import StoreSpec
 from leto_lightning.retained.store import RetainedStore, StoreMissingError
 from leto_lightning.testing.crash import KillPoint, run_in_child

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from leto_lightning.retained.shm import new_job_id
+from leto_lightning import new_job_id
 from leto_lightning.retained.store import RetainedStore, StoreSpec
 from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, run_step

@@ -8,11 +8,12 @@ import stat
 import pytest
 import torch
 
+from leto_lightning import new_job_id
 from leto_lightning.faults.points import point
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.layout import build_layout
 from leto_lightning.retained.record import ProgressEntry, ProgressRecord, RecordStatus
-from leto_lightning.retained.shm import SHM_DIR, SharedSegment, list_segments, new_job_id, segment_name, unlink_segments
+from leto_lightning.retained.shm import SHM_DIR, SharedSegment, list_segments, segment_name, unlink_segments
 from leto_lightning.testing.crash import KillPoint, run_in_child
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from leto_lightning.env import ProcessSettings
 from leto_lightning.faults.points import set_hook
 from leto_lightning.retained.backends import cuda_ipc
 from leto_lightning.retained.config import RetainedConfig
@@ -99,7 +100,8 @@ class Net(torch.nn.Module):
 
 
 def _use(kind: str, address: str) -> str:
-    """Point new stores at the test's manager; for the stand-in, let 'cuda' stores run on CPU."""
+    """Point new stores at the test's manager (the environment, read as a runtime reads it:
+    ``ProcessSettings.from_env()``); for the stand-in, let 'cuda' stores run on CPU."""
     os.environ[cuda_ipc.MANAGER_ENV] = address
     if kind == "cpu":
         cuda_ipc.require_cuda = lambda: None
@@ -137,7 +139,7 @@ def train(conn: Connection, kind: str, address: str, job_id: str, steps: int, ki
     (name, occurrence) of the next iteration, report, and wait there to be killed."""
     device = _use(kind, address)
     model, opt = _model(device)
-    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), job_id=job_id)
+    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), job_id=job_id, settings=ProcessSettings.from_env())
     assert ro.store.data.device.type == device and ro.store.parity1.device.type == "cpu"
     for it in range(steps):
         _iterate(model, ro, it, device)
@@ -196,7 +198,7 @@ def reference(conn: Connection, kind: str, address: str, job_id: str, steps: int
     """An uninterrupted run: snapshots after ``steps - 1`` and ``steps`` iterations."""
     device = _use(kind, address)
     model, opt = _model(device)
-    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), job_id=job_id)
+    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), job_id=job_id, settings=ProcessSettings.from_env())
     shots = []
     for it in range(steps):
         _iterate(model, ro, it, device)
@@ -212,7 +214,7 @@ def adamw_matches_torch(conn: Connection, kind: str, address: str, steps: int, f
     device = _use(kind, address)
     ref_model, ref_opt = _model(device, foreach=foreach)
     model, opt = _model(device, foreach=foreach)
-    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG))
+    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), settings=ProcessSettings.from_env())
     for it in range(steps):
         _iterate(ref_model, ref_opt, it, device)
         _iterate(model, ro, it, device)
@@ -232,7 +234,7 @@ def private_manager(conn: Connection, kind: str) -> None:
     device = _use(kind, "")
     del os.environ[cuda_ipc.MANAGER_ENV]
     model, opt = _model(device)
-    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG))
+    ro = RetainedOptimizer.create(opt, RetainedConfig(**CONFIG), settings=ProcessSettings.from_env())
     address = ro.store.spec.device_manager
     manager = cuda_ipc._PRIVATE[address]
     held = sorted(cuda_ipc.CudaStateManager(address).stats()["buffers"])

@@ -16,16 +16,15 @@ import cuda_workers as w
 import pytest
 import torch
 
+from leto_lightning import new_job_id
+from leto_lightning.errors import CudaUnavailableError, DeviceManagerError
 from leto_lightning.retained.backends import cuda_ipc
 from leto_lightning.retained.backends.cuda_ipc import (
     CudaSegment,
     CudaStateManager,
-    CudaUnavailableError,
-    DeviceManagerError,
     uint8_view,
 )
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.shm import new_job_id
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer
 
 HAS_CUDA = torch.cuda.is_available()

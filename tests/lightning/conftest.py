@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import leto_lightning.integrations.lightning  # noqa: F401  (registers "leto")
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning import new_job_id
+from leto_lightning.retained.shm import unlink_segments
 
 torch.set_num_threads(1)
 for name in ("lightning", "lightning.pytorch", "lightning.fabric"):

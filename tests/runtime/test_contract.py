@@ -1,4 +1,4 @@
-"""The launcher-to-worker contract (runtime/contract.py): one writer, one reader, clear refusals."""
+"""The launcher-to-worker contract (leto_lightning/env.py): one writer, one reader, clear refusals."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from leto_lightning import env as contract
+from leto_lightning.env import ResumeMode, Role, WorkerContract, worker_environment
 from leto_lightning.errors import ConfigurationError
-from leto_lightning.runtime import contract
-from leto_lightning.runtime.contract import ResumeMode, Role, WorkerContract, worker_environment
 
 
 def _full() -> WorkerContract:
@@ -97,5 +97,5 @@ def test_contract_is_a_leaf() -> None:
     absolute = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     absolute |= {n.module.split(".")[0] for n in ast.walk(tree)
                  if isinstance(n, ast.ImportFrom) and not n.level and n.module}
-    assert relative == {(2, "errors")}
+    assert relative == {(1, "errors")}
     assert absolute <= {"__future__", "json", "os", "collections", "dataclasses", "enum", "typing"}

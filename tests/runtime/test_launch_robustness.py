@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
+from leto_lightning import new_job_id
+from leto_lightning.errors import SharedMemoryCapacityError
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import (
-    SharedMemoryCapacityError,
     SharedSegment,
     list_segments,
-    new_job_id,
     segment_name,
     shm_free_bytes,
     unlink_segments,

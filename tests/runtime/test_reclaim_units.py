@@ -8,10 +8,10 @@ import signal
 
 import pytest
 
+from leto_lightning import new_job_id
 from leto_lightning.errors import ConfigurationError
 from leto_lightning.retained.shm import (
     SharedSegment,
-    new_job_id,
     segment_name,
     unlink_segments,
 )

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from leto_lightning import cli
-from leto_lightning.errors import ConfigurationError, LetoTimeoutError
+from leto_lightning.errors import ConfigurationError, LetoTimeoutError, UnsafeCheckpoint
 from leto_lightning.examples import PLAIN_DDP
 from leto_lightning.runtime import auth, rundir
 from leto_lightning.runtime.control import SignedStore, host_store
 from leto_lightning.runtime.events import EventLog, read_events
-from leto_lightning.runtime.session import UnsafeCheckpoint, load_checkpoint_file
+from leto_lightning.runtime.session import load_checkpoint_file
 from leto_lightning.runtime.storage import PlantedLinkError, atomic_torch_save, run_dir_path
 
 from .harness import finish, launch_args, run, same_state, start, stop, wait_for

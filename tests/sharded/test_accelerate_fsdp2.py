@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from leto_lightning.env import FAULTS, JOB_ID, RESUME, ROLE, RUN_DIR
 from leto_lightning.errors import ConfigurationError
-from leto_lightning.runtime.contract import FAULTS, JOB_ID, RESUME, ROLE, RUN_DIR
 from leto_lightning.runtime.events import read_events
 from leto_lightning.testing.launched import LaunchedRun, free_port, leftovers, stop, wait_for
 

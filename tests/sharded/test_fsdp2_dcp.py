@@ -19,9 +19,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from leto_lightning import new_job_id
 from leto_lightning.errors import IncompleteStoreError, LetoError
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child
 from leto_lightning.updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2

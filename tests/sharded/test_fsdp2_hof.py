@@ -11,8 +11,9 @@ import signal
 import pytest
 import torch
 
+from leto_lightning import new_job_id
 from leto_lightning.retained.layout import GRAD
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child
 from leto_lightning.updater.recovery import recover_node

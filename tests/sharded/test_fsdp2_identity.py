@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning import new_job_id
+from leto_lightning.retained.shm import unlink_segments
 
 from .conftest import run_job
 from .fsdp2_job import ACCUMULATE, MAX_NORM, STEPS

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning import new_job_id
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.testing.launched import free_port
 
 from .lightning_fsdp2_job import ACCUMULATE, CLIP, WORLD, LightningJob, run_lightning_ranks

@@ -21,9 +21,9 @@ def _attempts() -> dict[str, str]:
     from torch.utils.data import DataLoader, TensorDataset
 
     import leto_lightning  # noqa: F401  registers the strategies
+    from leto_lightning.env import ROLE
     from leto_lightning.errors import LetoError
     from leto_lightning.integrations.lightning import launch_guard
-    from leto_lightning.runtime.contract import ROLE
 
     class Tiny(pl.LightningModule):
         def __init__(self, wrap: str) -> None:

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from leto_lightning import new_job_id
 from leto_lightning.errors import ConfigurationError, UsageError
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.layout import GRAD
 from leto_lightning.retained.owned import owned_layout
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.retained.spec import StoreSpec
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import run_in_child

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from leto_lightning.retained.shm import new_job_id, unlink_segments
-from leto_lightning.runtime.contract import JOB_ID
+from leto_lightning import new_job_id
+from leto_lightning.env import JOB_ID
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.testing.launched import free_port
 
 from .fsdp2_job import fork_ranks

@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lightning"))  #
 from pl_job import RunConfig, TinyModule, dataloaders, run_ranks, trainer_for
 
 import leto_lightning.integrations.lightning  # noqa: F401  (registers "leto")
+from leto_lightning import new_job_id
 from leto_lightning.integrations.lightning import RETAINED_CKPT, LetoStrategy
-from leto_lightning.retained.shm import new_job_id, unlink_segments
+from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import KillPoint
 from leto_lightning.updater.recovery import recover_node

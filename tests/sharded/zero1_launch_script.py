@@ -12,8 +12,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader
 
+from leto_lightning.env import RUN_DIR
 from leto_lightning.examples import lightning_tiny as tiny
-from leto_lightning.runtime.contract import RUN_DIR
 
 
 class ZeroTinyLM(tiny.TinyTransformerLM):

@@ -14,6 +14,8 @@ from typing import cast
 
 import torch
 
+from ..env import ProcessSettings
+
 
 def run_core(optimizer: str = "adamw", seed: int = 0) -> int:
     """The core demo (``optimizer``: a name of ``testing.scenario.OPTIMIZERS``); 0 when every
@@ -74,7 +76,7 @@ class CoreDemo:
         from ..updater.recovery import recover_node
 
         t0 = time.perf_counter()
-        reports = recover_node(self.stores())
+        reports = recover_node(self.stores(), settings=ProcessSettings.from_env())
         seconds = time.perf_counter() - t0
         same = []
         for r in range(self.sc.n_ranks):
@@ -132,7 +134,7 @@ class CoreDemo:
             for store in self.job.stores:
                 store.pages[p].fill_(0xFF)
         try:
-            recover_node(self.stores())
+            recover_node(self.stores(), settings=ProcessSettings.from_env())
             outcome, ok = "NOT DETECTED", False
         except UnrecoverableDamageError as exc:
             outcome, ok = f"refused: {str(exc)[:160]}...", True

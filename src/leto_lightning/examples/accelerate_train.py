@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from accelerate.tracking import GeneralTracker
 
+from leto_lightning.env import RUN_DIR
 from leto_lightning.models.config import ModelConfig
 from leto_lightning.models.moe_transformer import build_model
-from leto_lightning.runtime.contract import RUN_DIR
 
 
 class JsonlTracker(GeneralTracker):

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import leto_lightning  # noqa: F401  registers Trainer(strategy="leto")
-from leto_lightning.runtime.contract import RESUME, RUN_DIR, ResumeMode
+from leto_lightning.env import RESUME, RUN_DIR, ResumeMode
 
 
 class Block(nn.Module):

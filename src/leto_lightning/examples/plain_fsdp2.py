@@ -33,9 +33,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import leto_lightning.runtime as leto
+from leto_lightning.env import under_launcher
 from leto_lightning.models.tiny import rank_batch
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.runtime.contract import under_launcher
 from leto_lightning.runtime.session import ProtectedTraining, load_checkpoint_file
 from leto_lightning.runtime.storage import atomic_torch_save
 

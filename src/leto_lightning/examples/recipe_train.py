@@ -15,11 +15,11 @@ def main(recipe_file: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
+    from leto_lightning.env import RUN_DIR, WANDB
     from leto_lightning.integrations.lightning import LetoModelParallelStrategy, LetoStrategy
     from leto_lightning.models.config import load_recipe
     from leto_lightning.models.data import make_dataloaders
     from leto_lightning.models.lightning_module import MoELanguageModel
-    from leto_lightning.runtime.contract import RUN_DIR, WANDB
     from leto_lightning.runtime.storage import atomic_torch_save
 
     torch.set_num_threads(1)  # bit-identical across processes needs one thread count

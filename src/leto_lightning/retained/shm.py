@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigurationError, IncompleteStoreError, UsageError
-from ..runtime.contract import JOB_PREFIX
+from ..errors import ConfigurationError, IncompleteStoreError, SharedMemoryCapacityError, UsageError
 
 try:  # CPython's private helper, present on every POSIX build
     import _posixshmem
@@ -32,11 +31,6 @@ except ImportError:  # pragma: no cover - non-POSIX
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "leto-"
 SIZING_WAIT_S = 5.0  # how long an attacher waits for a segment's creator to give it its size
-
-
-class SharedMemoryCapacityError(ConfigurationError):
-    """``/dev/shm`` has less free space than the segments to create need: found before
-    allocating (a segment the kernel cannot back kills its user with SIGBUS at first touch)."""
 
 
 def shm_free_bytes() -> int:
@@ -64,13 +58,14 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def new_job_id() -> str:
+def new_job_id(prefix: str = "") -> str:
     """A short random id that makes segment names unique per job (and per test).
 
-    ``LETO_JOB_PREFIX`` (if set) is prepended: a test session sets it so its leak checks see
-    only its own segments, even with other jobs running on the machine.
+    ``prefix`` is prepended: the launchers, the integrations and ``leto_lightning.new_job_id``
+    pass ``LETO_JOB_PREFIX`` (``env.job_prefix()``), which a test session sets so its leak
+    checks see only its own segments, even with other jobs running on the machine.
     """
-    return os.environ.get(JOB_PREFIX, "") + secrets.token_hex(6)
+    return prefix + secrets.token_hex(6)
 
 
 def segment_name(job_id: str, *parts: object) -> str:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..env import ProcessSettings
 from ..errors import ConfigurationError, IncompleteStoreError, InternalError, UnrecoverableDamageError
 from ..faults.points import point
 from ..protection.checksum import checksum
@@ -93,15 +94,19 @@ class RetainedStore:
 
     # -- creation and attachment -------------------------------------------------------
     @classmethod
-    def create(cls, spec: StoreSpec) -> RetainedStore:
+    def create(cls, spec: StoreSpec, settings: ProcessSettings | None = None) -> RetainedStore:
         """Allocate every segment of ``spec.rank`` (the node's tier-2 segment too, for local rank 0).
+
+        ``settings`` (``ProcessSettings.from_env()`` where the caller reads the environment):
+        backend="cuda" without ``spec.device_manager`` allocates from ``settings.cuda_manager``,
+        else from a private manager whose socket goes in ``settings.manager_dir``.
 
         The store is not *complete* until its creator calls ``mark_complete()`` once the views are
         bound and all parity is encoded (tier 2 included): a half-initialised store is refused by
         recovery with ``IncompleteStoreError``.
         """
         if spec.config.backend == "cuda":
-            spec = _with_device_manager(spec)
+            spec = _with_device_manager(spec, settings or ProcessSettings())
         require_capacity(_host_bytes(spec), f"rank {spec.rank}'s retained store")  # before allocating anything
         created: dict[str, SharedSegment] = {}
         try:
@@ -383,7 +388,7 @@ def _create_or_attach(name: str, nbytes: int) -> SharedSegment:
         return seg
 
 
-def _with_device_manager(spec: StoreSpec) -> StoreSpec:
+def _with_device_manager(spec: StoreSpec, settings: ProcessSettings) -> StoreSpec:
     """backend="cuda": fail early and clearly without CUDA, and record (in the spec every
     attacher reads) which state manager holds the device memory."""
     from .backends import cuda_ipc
@@ -391,7 +396,9 @@ def _with_device_manager(spec: StoreSpec) -> StoreSpec:
     cuda_ipc.require_cuda()
     if spec.device_manager:
         return spec
-    return dataclasses.replace(spec, device_manager=cuda_ipc.manager_for_new_store(f"{spec.job_id}-r{spec.rank}"))
+    address = cuda_ipc.manager_for_new_store(f"{spec.job_id}-r{spec.rank}", settings.cuda_manager,
+                                             settings.manager_dir)
+    return dataclasses.replace(spec, device_manager=address)
 
 
 def _new_segment(spec: StoreSpec, what: str, nbytes: int):

@@ -15,8 +15,8 @@ __all__ = ["ProtectedTraining", "Session", "init"]
 
 
 def __getattr__(name: str) -> Any:
-    """The session names load on first use, so that importing ``runtime.contract`` (a leaf
-    every layer may use) does not import the session, torch and the layers below."""
+    """The session names load on first use, so that importing one runtime module (the CLI's
+    cleanup, the launcher) does not import the session, torch and the layers below."""
     if name in __all__:
         return getattr(importlib.import_module(".session", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,11 +29,11 @@ from typing import TextIO
 import torch.distributed as dist
 
 from ..console import notice, say
+from ..env import ResumeMode, job_prefix
 from ..errors import ConfigurationError
 from ..retained.shm import new_job_id, unlink_segments
 from .auth import job_key, job_secret
 from .config import RuntimeConfig
-from .contract import ResumeMode
 from .control import SignedStore, host_store
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
@@ -80,7 +80,7 @@ class Agent:
         self.events = EventLog(spec.events_dir)
         if self.run_dir_claim.previous:
             self.events.emit("run_dir_lock_taken_over", 0, previous=self.run_dir_claim.previous)
-        self.job = JobIdentity(new_job_id())
+        self.job = JobIdentity(new_job_id(job_prefix()))
         self.stop = StopFlag()
         self._phase = PhaseTracker("job", JobPhase.STARTING, JOB_TRANSITIONS)
         self._parts: _Parts | None = None

@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from ..env import AUTH_KEY
+from ..env import SECRET as SECRET_ENV
+from ..env import SECRET_FILE as SECRET_FILE_ENV
 from ..errors import ConfigurationError, LetoTimeoutError
-from .contract import AUTH_KEY
-from .contract import SECRET as SECRET_ENV
-from .contract import SECRET_FILE as SECRET_FILE_ENV
 
 if TYPE_CHECKING:  # only for the annotation: this module itself needs no torch
     import torch.distributed as dist

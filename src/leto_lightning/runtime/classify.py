@@ -13,8 +13,8 @@ import signal as _signal
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from ..env import Role
 from .config import ClassificationRule, RuntimeConfig
-from .contract import Role
 from .messages import TrainerPhase, Verdict
 from .xid import xid_verdict
 

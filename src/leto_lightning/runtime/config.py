@@ -5,8 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-from ..errors import ConfigurationError
-from ..retained.shm import SharedMemoryCapacityError
+from ..errors import ConfigurationError, SharedMemoryCapacityError
 from .storage import STORAGE_MESSAGES, PlantedLinkError
 
 SHADOW_LEVELS = (1, 2, 3)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 import time
 
+from ..env import RESUME, ROLE, ResumeMode, Role
 from ..faults.points import point
-from .contract import RESUME, ROLE, ResumeMode, Role
 from .keys import STORE_READY
 from .messages import TrainerPhase
 from .session import Session, SessionEnv, await_key, init

@@ -7,7 +7,7 @@ trainer is built (``LetoStrategy``, ``LetoConfig``), so a typo fails at construc
 minutes into a run. Why here, in ``runtime/``: they are neutral to the trainer library; the
 Lightning and the Accelerate integrations both use them.
 
-Environment (set by ``leto launch``; the names are ``runtime/contract.py``'s):
+Environment (set by ``leto launch``; the names are ``leto_lightning/env.py``'s):
 
 - ``LETO_JOB_ID``: the job whose retained segments this rank creates or attaches to;
 - ``LETO_RESUME``: ``"retained"`` = attach to the retained store and continue from it;
@@ -21,7 +21,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .contract import JOB_ID, RESUME, ResumeMode
+from ..env import JOB_ID, RESUME, ResumeMode
+from ..errors import ConfigurationError
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -48,32 +49,34 @@ class LetoRuntimeOptions:
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not _JOB_ID.match(self.job_id):
-            raise ValueError(f"job_id={self.job_id!r}: use letters, digits and '_' only (it names shared-memory "
-                             "segments)")
+            raise ConfigurationError(f"job_id={self.job_id!r}: use letters, digits and '_' only (it names "
+                                     "shared-memory segments)")
         if self.resume not in (None, ResumeMode.RETAINED):
-            raise ValueError(f"resume={self.resume!r}: choose None (start fresh) or {ResumeMode.RETAINED.value!r}")
+            raise ConfigurationError(f"resume={self.resume!r}: choose None (start fresh) or "
+                                     f"{ResumeMode.RETAINED.value!r}")
         if self.shadow_level not in (1, 2, 3):
-            raise ValueError(f"shadow_level={self.shadow_level!r}: choose 1, 2 or 3 (L1 imports only, L2 device "
-                             "runtime, L3 full pre-initialisation)")
+            raise ConfigurationError(f"shadow_level={self.shadow_level!r}: choose 1, 2 or 3 (L1 imports only, L2 "
+                                     "device runtime, L3 full pre-initialisation)")
         if not self.heartbeat_interval > 0:
-            raise ValueError(f"heartbeat_interval={self.heartbeat_interval!r} must be positive")
+            raise ConfigurationError(f"heartbeat_interval={self.heartbeat_interval!r} must be positive")
         if not self.heartbeat_timeout >= 3 * self.heartbeat_interval:
-            raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout!r} must be at least 3 heartbeat intervals "
-                             f"({3 * self.heartbeat_interval} s): one late heartbeat must not count as a hang")
+            raise ConfigurationError(f"heartbeat_timeout={self.heartbeat_timeout!r} must be at least 3 heartbeat "
+                                     f"intervals ({3 * self.heartbeat_interval} s): one late heartbeat must not count "
+                                     "as a hang")
 
     @staticmethod
     def parse_level(level: int | str) -> int:
         """Accept 3, "3" or "L3"."""
         text = str(level).upper().removeprefix("L")
         if not text.isdigit():
-            raise ValueError(f"shadow_level={level!r}: choose 1, 2 or 3 (or 'L1', 'L2', 'L3')")
+            raise ConfigurationError(f"shadow_level={level!r}: choose 1, 2 or 3 (or 'L1', 'L2', 'L3')")
         return int(text)
 
     def resolved_job_id(self, env: Mapping[str, str] = os.environ) -> str | None:
         """Strategy argument first, then the launcher's ``LETO_JOB_ID``."""
         job = self.job_id or env.get(JOB_ID) or None
         if job is not None and not _JOB_ID.match(job):
-            raise ValueError(f"{JOB_ID}={job!r}: use letters, digits and '_' only")
+            raise ConfigurationError(f"{JOB_ID}={job!r}: use letters, digits and '_' only")
         return job
 
     def resume_requested(self, env: Mapping[str, str] = os.environ) -> bool:

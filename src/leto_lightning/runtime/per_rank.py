@@ -50,8 +50,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from ..console import notice
+from ..env import FAULTS, NO_SUPERVISE, RUN_DIR, SHADOWS, WARM_TEMPLATE
 from ..errors import UsageError
-from .contract import FAULTS, NO_SUPERVISE, RUN_DIR, SHADOWS, WARM_TEMPLATE
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .contract import Role
+from ..env import Role
 from .warm_template import ForkedProcess, WarmTemplate
 
 TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say why it failed

@@ -28,11 +28,11 @@ from collections import deque
 from typing import TextIO
 
 from ..console import notice
+from ..env import ResumeMode, job_prefix
 from ..errors import RetainedStateError
 from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
 from .classify import Failure, classify, device_health
 from .config import RuntimeConfig
-from .contract import ResumeMode
 from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
@@ -334,7 +334,7 @@ class Recovery:
         self.trainers.stop_all()
         self._books = None
         unlink_segments(self.job.job_id)
-        self.job.replace_job_id(self.lockstep.shared_job_id(new_job_id()))
+        self.job.replace_job_id(self.lockstep.shared_job_id(new_job_id(job_prefix())))
         self.trainers.start_actives(resume=ResumeMode.CHECKPOINT)
         self.trainers.start_shadows()
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..env import ProcessSettings
 from ..errors import RetainedStateError
 from ..retained.store import RetainedStore
 from ..updater.recovery import Agreement, RankProgress, RecoveryReport, local_agreement, recover_node
@@ -69,7 +70,7 @@ def repair_node_stores(job_id: str, spec: LaunchSpec, lockstep: NodeLockstep) ->
     try:
         for local, rank in enumerate(ranks):
             stores[local] = RetainedStore.attach(job_id, rank)
-        return recover_node(stores, agree=exchange.agree)
+        return recover_node(stores, agree=exchange.agree, settings=ProcessSettings.from_env())
     except Exception as exc:  # re-raised: the other nodes wait for this node's summary, unblock them first
         exchange.fail(f"node {spec.node_rank}: {type(exc).__name__}: {exc}")
         raise

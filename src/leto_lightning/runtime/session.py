@@ -29,7 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigurationError, LetoTimeoutError, UsageError
+from ..env import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ProcessSettings, ResumeMode, Role, WorkerContract
+from ..errors import ConfigurationError, LetoTimeoutError, UnsafeCheckpoint, UsageError
 from ..faults.injector import FaultInjector
 from ..faults.points import point
 from ..retained.config import RetainedConfig
@@ -39,7 +40,6 @@ from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
 from ..updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, layout_for
 from .auth import CHILD_ENV
 from .checkpoints import CheckpointCommits
-from .contract import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
 from .control import SignedStore
 from .keys import (
     EXCEPTION,
@@ -61,7 +61,7 @@ from .storage import atomic_torch_save, open_run_dir_file, run_dir_path
 @dataclass
 class SessionEnv:
     """What the launcher put in the environment: torchrun's variables and Leto's contract
-    (``runtime/contract.py``). ``generation`` moves on when a shadow is promoted."""
+    (``leto_lightning/env.py``). ``generation`` moves on when a shadow is promoted."""
 
     role: Role
     rank: int
@@ -194,7 +194,8 @@ class Session:
             ro = fsdp2.ro
         else:
             self.wait_for_store()
-            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank))
+            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank),
+                                   settings=ProcessSettings.from_env())
             ro.bind(adopt=True, resume=False)
         self.wait_for_promotion()  # L3 shadows wait here, fully built
         point("promotion.resume")
@@ -224,14 +225,14 @@ class Session:
                                  "checkpoint: pass checkpoint=<the directory RetainedFSDP2.save_checkpoint wrote>")
             bound = create_fsdp2(model, optimizer, config or RetainedConfig(), job_id=e.job_id, rank=e.rank,
                                  node=e.node, local_rank=e.local_rank, n_local=e.local_world_size, barrier=barrier,
-                                 payload_fn=payload_fn)
+                                 payload_fn=payload_fn, settings=ProcessSettings.from_env())
             if checkpoint is not None:  # before STORE_READY: no shadow attaches to a store being restored
                 bound.load_checkpoint(checkpoint, iteration=iteration, payload=payload)
             self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
             return bound
         self.wait_for_store()
         return attach_fsdp2(model, optimizer, job_id=e.job_id, rank=e.rank, barrier=barrier, payload_fn=payload_fn,
-                            resume=False)
+                            resume=False, settings=ProcessSettings.from_env())
 
     def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
                 payload: object) -> RetainedOptimizer:
@@ -240,9 +241,10 @@ class Session:
         config.check_devices(e.local_world_size)
         layout = layout_for(optimizer, config)
         spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout, config)
-        created = RetainedStore.create(spec)
+        settings = ProcessSettings.from_env()
+        created = RetainedStore.create(spec, settings)
         point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
-        ro = RetainedOptimizer(optimizer, created)
+        ro = RetainedOptimizer(optimizer, created, settings=settings)
         ro.bind(adopt=False, iteration=iteration, payload=payload)
         complete_new_store(ro.store, self.barrier)
         self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
@@ -364,7 +366,7 @@ class ProtectedTraining:
 
     def begin(self, iteration: int) -> None:
         if iteration != self.optimizer.iteration:
-            raise RuntimeError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
+            raise UsageError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
         self.session.heartbeat(iteration, TrainerPhase.COMPUTE)
         (self.sharded or self.optimizer).zero_grad()  # FSDP2: the DTensor grads point at their views again
         point("compute.begin", iteration=iteration)
@@ -426,10 +428,6 @@ class _SessionFaults:
         return self._session.store.get(SHADOWS_READY).decode()
 
 
-class UnsafeCheckpoint(ConfigurationError):
-    """A checkpoint holds more than tensors and plain containers: refused, never unpickled."""
-
-
 def load_checkpoint_file(path: str) -> dict:
     """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a pickle
     planted in the run dir is refused instead of run (what ``save_checkpoint`` writes loads)."""
@@ -469,8 +467,8 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
 def connect(env: SessionEnv, environ: Mapping[str, str] = os.environ) -> SignedStore:
     """The agent's store, signed with the job's secret (``LETO_AUTH_KEY``, set by the agent)."""
     if CHILD_ENV not in environ:
-        raise RuntimeError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "
-                           "`leto launch --nproc-per-node N script.py`")
+        raise UsageError(f"not started by `leto launch` (missing {CHILD_ENV}); run the script with "
+                         "`leto launch --nproc-per-node N script.py`")
     store: dist.Store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                       timeout=timedelta(seconds=60))
     prefix = environ.get(STORE_PREFIX, "")

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from ..retained.backends.cuda_device import DeviceManagerError
+from ..errors import DeviceManagerError
 from ..retained.backends.cuda_ipc import CudaStateManager
 
 log = logging.getLogger(__name__)

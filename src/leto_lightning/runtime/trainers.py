@@ -13,8 +13,8 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from ..env import ResumeMode, Role, WorkerContract, worker_environment
 from .config import RuntimeConfig
-from .contract import ResumeMode, Role, WorkerContract, worker_environment
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
 from .events import EventLog
@@ -51,7 +51,7 @@ class Trainers:
 
     # -- starting ------------------------------------------------------------------------------
     def environment(self, local_rank: int, role: Role, resume: ResumeMode) -> dict[str, str]:
-        """torchrun's variables (``worker_env.py``) and Leto's contract (``contract.py``) over
+        """torchrun's variables (``worker_env.py``) and Leto's contract (``env.py``) over
         this agent's own environment."""
         s = self.spec
         rank = s.node_rank * s.nproc_per_node + local_rank

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..env import ProcessSettings, job_prefix
 from ..faults.points import point
 from ..models.tiny import TinyLM
 from ..retained.config import RetainedConfig
@@ -79,7 +80,7 @@ class CoreScenario:
     # -- retained ------------------------------------------------------------------------
     def create_job(self) -> Job:
         """Allocate and initialise every rank's store (the state manager's part)."""
-        job_id = new_job_id()
+        job_id = new_job_id(job_prefix())
         stores, trainers = [], []
         try:
             for rank in range(self.n_ranks):
@@ -87,9 +88,9 @@ class CoreScenario:
                 config = config_for(self.config, opt)
                 layout = layout_for(opt, config, whole_state=self.rollback)
                 spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout, config)
-                store = RetainedStore.create(spec)
+                store = RetainedStore.create(spec, ProcessSettings.from_env())
                 stores.append(store)
-                ro = RetainedOptimizer(opt, store, rollback_window=self.rollback)
+                ro = RetainedOptimizer(opt, store, rollback_window=self.rollback, settings=ProcessSettings.from_env())
                 ro.bind(adopt=False)
                 trainers.append((model, ro))
             encode_tier2(stores, ParityCodes(stores[0]))
@@ -121,7 +122,7 @@ class Job:
         """What a shadow does: build the skeleton and bind it to the retained store."""
         store = RetainedStore.attach(self.job_id, rank)
         model, opt = self.scenario.build(rank)
-        ro = RetainedOptimizer(opt, store, rollback_window=self.scenario.rollback)
+        ro = RetainedOptimizer(opt, store, rollback_window=self.scenario.rollback, settings=ProcessSettings.from_env())
         ro.bind(adopt=True)
         return model, ro
 

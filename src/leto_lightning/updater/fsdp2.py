@@ -32,6 +32,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
+from ..env import ProcessSettings
 from ..errors import ConfigurationError, UsageError
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD, PARAM, ParamSlot
@@ -347,7 +348,7 @@ def _bindable(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def _bind_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RetainedStore,
                 binding: tuple[list[tuple[torch.nn.Parameter, Any]], list[list[torch.nn.Parameter]]],
                 barrier: Callable[[], None] | None, payload_fn: Callable[[], object] | None,
-                adopt: bool, resume: bool = True) -> RetainedFSDP2:
+                adopt: bool, resume: bool = True, settings: ProcessSettings | None = None) -> RetainedFSDP2:
     """``RetainedOptimizer`` over the padded aliases, bound; then the optimizer shows the DTensor
     params again (``RetainedFSDP2``). A failure leaves the param groups as they were."""
     sharded, aliased = binding
@@ -355,7 +356,7 @@ def _bind_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store:
     for group, aliases in zip(optimizer.param_groups, aliased):  # only once every param is known good
         group["params"] = aliases
     try:
-        ro = RetainedOptimizer(optimizer, store, barrier, payload_fn)
+        ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, settings=settings)
         ro.bind(adopt=adopt, resume=resume)
         return RetainedFSDP2(model, ro, sharded)
     except BaseException:
@@ -369,9 +370,10 @@ def _bind_store(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store:
 def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, *, job_id: str,
                  rank: int, node: int = 0, local_rank: int = 0, n_local: int = 1,
                  barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
-                 ) -> RetainedFSDP2:
+                 settings: ProcessSettings | None = None) -> RetainedFSDP2:
     """A new store for this rank's local shards, bound, encoded (tier 2 across the node's ranks)
-    and marked complete. ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
+    and marked complete. ``barrier`` spans every rank (tier-2 set-up and each step's agreement);
+    ``settings``: ``ProcessSettings.from_env()`` where the caller reads the environment."""
     config = config_for(config, optimizer)
     config.check_devices(n_local)
     hparams = hyperparameters(optimizer)
@@ -379,15 +381,16 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                           page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    store = create_node_store(spec, barrier, attach_with="attach_fsdp2")
-    bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False)
+    store = create_node_store(spec, barrier, attach_with="attach_fsdp2", settings=settings)
+    bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False,
+                        settings=settings)
     complete_new_store(store, barrier)
     return bound
 
 
 def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job_id: str, rank: int,
                  barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
-                 resume: bool = True) -> RetainedFSDP2:
+                 resume: bool = True, settings: ProcessSettings | None = None) -> RetainedFSDP2:
     """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
     local shards, their grads and optimizer state become its views and take its values, and
     training continues after the last committed iteration (``RetainedFSDP2.iteration``).
@@ -404,7 +407,7 @@ def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, jo
                                  f"retained store of job {job_id!r} ({store.layout.describe()})")
     try:
         bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=True,
-                            resume=resume)
+                            resume=resume, settings=settings)
     except BaseException:  # e.g. IncompleteStoreError: nothing to adopt
         store.close()
         raise

@@ -15,7 +15,9 @@ elsewhere) and takes its square root from the function torch's ``sqrt`` calls (M
 reproduces ``torch.optim.adam.adam`` bit for bit on this machine (``_agrees_with_torch``, once
 per process, a few milliseconds); otherwise, and for what it does not cover (AMSGrad, maximize,
 tensor hyper-parameters, non-float32 or device pages, no compiled extension), chunks run torch's
-math as before. ``LETO_FUSED_ADAM=0`` turns it off.
+math as before. ``LETO_FUSED_ADAM=0`` turns it off: read by runtime/ and the integrations, and
+passed down as ``ProcessSettings.fused_adam`` (``ChunkTransactions(fused_adam=False)`` never
+calls ``kernel``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import ctypes
 import importlib.util
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -34,11 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..env import FUSED_ADAM
+from ..errors import InternalError
 from ..protection.checksum import crc64_address
 
 log = logging.getLogger("leto_lightning.updater.fused_adam")
 
-ENV_SWITCH = "LETO_FUSED_ADAM"
+ENV_SWITCH = FUSED_ADAM  # the variable that turns the kernel off (read above: ProcessSettings.fused_adam)
 HP_FIELDS = 8  # per piece: decay, l2, 1 - beta1, beta2, 1 - beta2, sqrt(bc2), eps, -step_size
 _vp = ctypes.c_void_p
 
@@ -60,7 +63,7 @@ class Kernel:
         crcs = np.zeros(len(pages), dtype=np.uint64)
         if self.encode(len(pages), addresses.ctypes.data, parity.data_ptr(), parity.numel(), crcs.ctypes.data,
                        self.crc) != 0:  # pragma: no cover - callers pass whole host pages
-            raise RuntimeError(f"leto_xor_encode_crc refused {len(pages)} pages of {parity.numel()} B")
+            raise InternalError(f"leto_xor_encode_crc refused {len(pages)} pages of {parity.numel()} B")
         return [int(c) for c in crcs]
 
 
@@ -78,9 +81,16 @@ def kernel() -> Kernel | None:
     return loaded
 
 
+@cache
+def switched_off() -> tuple[None, str]:
+    """What stands for the kernel where the caller's settings turn it off (``LETO_FUSED_ADAM=0``):
+    None and why, logged once per process."""
+    why = f"{ENV_SWITCH}=0"
+    log.info("fused Adam update off: %s; chunks run torch's Adam math", why)
+    return None, why
+
+
 def _load() -> tuple[Kernel | None, str]:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"{ENV_SWITCH}=0"
     spec = importlib.util.find_spec("leto_lightning.updater._fused_adam")
     if spec is None or spec.origin is None:
         return None, "the extension leto_lightning.updater._fused_adam is not built (no C compiler at install?)"
@@ -159,7 +169,7 @@ class FusedChunk:
                         progress.ctypes.data if progress is not None else None, self._parity_at, crcs.ctypes.data,
                         n_pieces, at, rows.ctypes.data, k.crc, k.sqrt)
         if rc != 0:  # pragma: no cover - the plan is built to the kernel's contract
-            raise RuntimeError(f"leto_adam_chunk refused its arguments (begin={begin}, end={end})")
+            raise InternalError(f"leto_adam_chunk refused its arguments (begin={begin}, end={end})")
 
 
 def build_fused_chunk(pages: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], grads: torch.Tensor,

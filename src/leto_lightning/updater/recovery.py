@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..env import ProcessSettings
 from ..errors import (
     CHECKPOINT_ADVICE,
     ConfigurationError,
@@ -219,13 +220,15 @@ def _summary(rec: ProgressEntry | None) -> RankProgress | None:
 
 def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None = None,
                  agree: Callable[[dict], tuple[int | None, bool, int | None]] = local_agreement,
-                 ) -> dict[int, RecoveryReport]:
+                 settings: ProcessSettings | None = None) -> dict[int, RecoveryReport]:
     """Recover the ranks of one node (keyed by local rank); see the module docstring.
 
     ``agree`` turns this node's ``{rank: RankProgress}`` into the job-wide
     decision (``local_agreement``: target iteration, whether every rank of the job prepared or
     committed it, an open iteration to roll back); a multi-node agent exchanges the summaries
-    through the job's store before anything rolls forward or back.
+    through the job's store before anything rolls forward or back. ``settings``
+    (``ProcessSettings.from_env()`` where the caller reads the environment): whether a roll-forward
+    may use the fused Adam kernel.
 
     Raises only ``LetoError``s: ``IncompleteStoreError`` (a store never finished set-up),
     ``UnrecoverableDamageError`` (damage beyond copies and parity), ``RecoveryError``; each
@@ -235,7 +238,7 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
     if not stores:
         raise ConfigurationError("recover_node needs at least one store: {local rank: RetainedStore.attach(job, rank)}")
     try:
-        return _recover_node(stores, codes, agree)
+        return _recover_node(stores, codes, agree, (settings or ProcessSettings()).fused_adam)
     except LetoError:
         raise
     except OSError as exc:  # the machine refused (shared memory gone, no space): the retained state is unusable
@@ -246,7 +249,8 @@ def recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None 
                             f"({type(exc).__name__}: {exc}); this is a bug in leto-lightning") from exc
 
 
-def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None, agree) -> dict[int, RecoveryReport]:
+def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None, agree,
+                  fused_adam: bool = True) -> dict[int, RecoveryReport]:
     checked = {r: check_store(s) for r, s in stores.items()}
     codes = codes or ParityCodes(next(iter(stores.values())))
     reports = {r: RecoveryReport(rank=s.spec.rank, metadata_repaired=checked[r][1].repaired) for r, s in stores.items()}
@@ -275,7 +279,7 @@ def _recover_node(stores: Mapping[int, RetainedStore], codes: ParityCodes | None
     point("recovery.parity_verified")
     t3 = time.perf_counter()
     if rollback is None:
-        decide_and_roll_forward(stores, records, reports, codes, target, everyone)
+        decide_and_roll_forward(stores, records, reports, codes, target, everyone, fused_adam)
     t4 = time.perf_counter()
     for r, report in reports.items():
         report.repair = rep
@@ -304,7 +308,7 @@ def _needs_grads(store: RetainedStore, rec: ProgressEntry) -> bool:
 
 
 def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target: int | None,
-                            everyone_reached: bool) -> None:
+                            everyone_reached: bool, fused_adam: bool = True) -> None:
     for r, store in stores.items():
         rec, report = records[r], reports[r]
         if (rec.prepared and everyone_reached and store.layout.family == "generic"
@@ -315,7 +319,7 @@ def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target
             report.payload = rec.payload
             continue
         if rec.prepared and everyone_reached:
-            report.rolled_forward = roll_forward(store, rec, codes)
+            report.rolled_forward = roll_forward(store, rec, codes, fused_adam)
             rec = dataclasses.replace(rec, status=RecordStatus.COMMITTED)
         elif rec.prepared:
             report.aborted = True
@@ -366,12 +370,13 @@ def _payload_before(store: RetainedStore, entries: list[ProgressEntry], t: int) 
                         "before it; resume from the last checkpoint")
 
 
-def roll_forward(store: RetainedStore, rec: ProgressEntry, codes: ParityCodes) -> list[int]:
-    """Finish prepared iteration ``rec.iteration``: update the chunks still at its version, commit."""
+def roll_forward(store: RetainedStore, rec: ProgressEntry, codes: ParityCodes, fused_adam: bool = True) -> list[int]:
+    """Finish prepared iteration ``rec.iteration``: update the chunks still at its version, commit
+    (``fused_adam``: the fused kernel may run, ``ProcessSettings.fused_adam``)."""
     t = rec.iteration
     versions = store.versions()
     pending = [c for c in range(store.layout.n_chunks) if int(versions[c]) == t]
-    txn = ChunkTransactions(store, codes, pin_parity=False)
+    txn = ChunkTransactions(store, codes, pin_parity=False, fused_adam=fused_adam)
     txn.update_chunks(t, rec.hparams, rec.skip_params, chunks=pending)
     txn.commit(t, rec.payload)
     return pending

@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from ..env import ProcessSettings
 from ..errors import (
     CHECKPOINT_ADVICE,
     ConfigurationError,
@@ -118,11 +119,15 @@ class RetainedOptimizer:
     the whole-state undo copy and resumes from the previous sealed payload, which redoes the
     whole iteration; so every step must be followed by ``seal`` before the next one. Needs a
     whole-state layout (``layout_for(..., whole_state=True)``).
+
+    ``settings``: what the process environment says (``ProcessSettings.from_env()``, read by the
+    caller: runtime/ and the integrations); here whether the fused Adam kernel may run.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: RetainedStore,
                  barrier: Callable[[], None] | None = None,
-                 payload_fn: Callable[[], object] | None = None, rollback_window: bool = False) -> None:
+                 payload_fn: Callable[[], object] | None = None, rollback_window: bool = False,
+                 settings: ProcessSettings | None = None) -> None:
         self.optimizer = optimizer
         self.store = store
         self.layout = store.layout
@@ -132,10 +137,12 @@ class RetainedOptimizer:
         if len(self.params) != len(self.layout.params):
             raise ConfigurationError(f"optimizer has {len(self.params)} params, "
                                      f"the store's layout {len(self.layout.params)}")
+        fused = (settings or ProcessSettings()).fused_adam
         if self.layout.family == "generic":
-            self.txn: ChunkTransactions = WholeStateTransactions(store, optimizer, self.params, ParityCodes(store))
+            self.txn: ChunkTransactions = WholeStateTransactions(store, optimizer, self.params, ParityCodes(store),
+                                                                 fused_adam=fused)
         else:
-            self.txn = ChunkTransactions(store, ParityCodes(store))
+            self.txn = ChunkTransactions(store, ParityCodes(store), fused_adam=fused)
         self._received: set[int] = set()
         self._grad_hooks: list = []  # one per param, replaced when bound again (reinitialise)
         self._grad_views = [store.param_view(slot, GRAD) for slot in self.layout.params]  # made once: per step
@@ -151,14 +158,18 @@ class RetainedOptimizer:
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, config: RetainedConfig | None = None, *,
                job_id: str | None = None, rank: int = 0, node: int = 0, local_rank: int = 0, n_local: int = 1,
-               **kwargs) -> RetainedOptimizer:
-        """Allocate a store for ``optimizer`` (in this process: tests, single-process use)."""
+               settings: ProcessSettings | None = None, **kwargs) -> RetainedOptimizer:
+        """Allocate a store for ``optimizer`` (in this process: tests, single-process use).
+
+        ``job_id`` None: a new random one (``new_job_id()``, no prefix: pass
+        ``leto_lightning.new_job_id()`` for one that honours ``LETO_JOB_PREFIX``). ``settings``:
+        ``RetainedStore.create`` and ``RetainedOptimizer``; the defaults ignore the environment."""
         config = config_for(config or RetainedConfig(), optimizer)
         layout = layout_for(optimizer, config, whole_state=bool(kwargs.get("rollback_window")))
         spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout, config)
-        store = RetainedStore.create(spec)
+        store = RetainedStore.create(spec, settings)
         try:
-            ro = cls(optimizer, store, **kwargs)
+            ro = cls(optimizer, store, settings=settings, **kwargs)
             ro.bind(adopt=False)
             if not spec.tier2.enabled:  # else: complete once the node's tier 2 is encoded (encode_tier2)
                 store.mark_complete()
@@ -450,14 +461,15 @@ def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
             codes.tier2.encode([st.pages[p] for st in stores], first.tier2_parity(int(s)))
 
 
-def create_node_store(spec: StoreSpec, barrier: Callable[[], None] | None, attach_with: str) -> RetainedStore:
-    """This rank's new store for ``spec``, refused before any segment exists when tier 2 would
-    need a ``barrier`` it lacks or the store exists already (``attach_with`` names the call that
-    continues from it)."""
+def create_node_store(spec: StoreSpec, barrier: Callable[[], None] | None, attach_with: str,
+                      settings: ProcessSettings | None = None) -> RetainedStore:
+    """This rank's new store for ``spec`` (``RetainedStore.create(spec, settings)``), refused
+    before any segment exists when tier 2 would need a ``barrier`` it lacks or the store exists
+    already (``attach_with`` names the call that continues from it)."""
     if spec.tier2.enabled and barrier is None:
         raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
     try:
-        return RetainedStore.create(spec)
+        return RetainedStore.create(spec, settings)
     except FileExistsError:
         raise UsageError(f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: attach to it "
                          f"({attach_with}), or free it (`leto cleanup`) to start over") from None

@@ -45,6 +45,7 @@ from ..retained.store import (
 from . import fused_adam
 from .chunk_math import ChunkPieces, apply_update
 from .device_pages import DevicePages
+from .fused_adam import switched_off as fused_adam_off
 
 
 def settle(tensor: torch.Tensor) -> None:
@@ -71,8 +72,14 @@ class ParityCodes:
 class ChunkTransactions:
     """Runs optimizer updates on a ``RetainedStore`` as chunk transactions."""
 
-    def __init__(self, store: RetainedStore, codes: ParityCodes | None = None, pin_parity: bool = True) -> None:
+    def __init__(self, store: RetainedStore, codes: ParityCodes | None = None, pin_parity: bool = True,
+                 fused_adam: bool = True) -> None:
+        """``fused_adam``: the fused kernel may run (``ProcessSettings.fused_adam``, i.e. not
+        ``LETO_FUSED_ADAM=0``); False keeps every chunk on torch's math and the codec's encode."""
         self.store = store
+        self._fused_adam = fused_adam
+        if not fused_adam:
+            fused_adam_off()  # says so in the log, once
         self.layout = store.layout
         self.codes = codes or ParityCodes(store)
         code = self.codes.tier1
@@ -153,7 +160,7 @@ class ChunkTransactions:
         done: set[int] = set()  # pages the kernel already checksummed
         if self.codes.tier1 is not None and store.config.protect_grads:
             plan = store.spec.tier1
-            kernel = fused_adam.kernel() if self._xor_tier1 and self._crc64 else None
+            kernel = fused_adam.kernel() if self._fused_adam and self._xor_tier1 and self._crc64 else None
             for g in plan.grad_groups():
                 pages = plan.groups[g]
                 if kernel is None:
@@ -178,8 +185,8 @@ class ChunkTransactions:
                 "inconsistent with the update being applied"
             )
         plan = self._plan(chunk)
-        kernel = fused_adam.kernel() if plan.fused is not None and self._crc64 and fused_adam.covers(
-            hparams[plan.group]) else None
+        fits = self._fused_adam and plan.fused is not None and self._crc64 and fused_adam.covers(hparams[plan.group])
+        kernel = fused_adam.kernel() if fits else None
         point("chunk.begin", chunk=chunk, iteration=iteration)
         self._save_undo(plan, iteration, copy=kernel is None)  # the kernel saves it block by block
         point("chunk.undo_copied", chunk=chunk)

@@ -82,8 +82,8 @@ class WholeStateTransactions(ChunkTransactions):
     """Prepare, then undo-copy everything, ``optimizer.step()``, parity deltas, commit."""
 
     def __init__(self, store: RetainedStore, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
-                 codes: ParityCodes | None = None) -> None:
-        super().__init__(store, codes)
+                 codes: ParityCodes | None = None, fused_adam: bool = True) -> None:
+        super().__init__(store, codes, fused_adam=fused_adam)
         self._plan_cache: WholePlan | None = None
         self.optimizer = optimizer
         self.params = list(params)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..env import ProcessSettings
 from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.config import RetainedConfig
@@ -115,8 +116,9 @@ class RetainedZeRO1(RetainedOptimizer):
     views, and ``refresh_replicas`` rebuilds the non-owned params from their owners."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer, store: RetainedStore, split: Partition,
-                 barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None) -> None:
-        super().__init__(check_zero1(zero).optim, store, barrier, payload_fn)
+                 barrier: Callable[[], None] | None = None, payload_fn: Callable[[], object] | None = None,
+                 settings: ProcessSettings | None = None) -> None:
+        super().__init__(check_zero1(zero).optim, store, barrier, payload_fn, settings=settings)
         self.zero = zero
         self.split = split
         owned = set(map(id, self.params))
@@ -178,10 +180,12 @@ def _zero_grad(zero: ZeroRedundancyOptimizer, set_to_none: bool = True) -> None:
 def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_id: str, local_rank: int = 0,
                  n_local: int = 1, node: int = 0, barrier: Callable[[], None] | None = None,
                  payload_fn: Callable[[], object] | None = None,
-                 names: dict[torch.nn.Parameter, str] | None = None) -> RetainedZeRO1:
+                 names: dict[torch.nn.Parameter, str] | None = None,
+                 settings: ProcessSettings | None = None) -> RetainedZeRO1:
     """A new store for this rank's owned params, bound, encoded (tier 2 across the node's ranks)
     and marked complete. Call it on every rank after the DDP wrap (every rank holds the same
-    params then); ``barrier`` spans every rank (tier-2 set-up and each step's agreement)."""
+    params then); ``barrier`` spans every rank (tier-2 set-up and each step's agreement);
+    ``settings``: ``ProcessSettings.from_env()`` where the caller reads the environment."""
     check_zero1(zero)
     config = config_for(config, zero)
     config.check_devices(n_local)
@@ -189,8 +193,8 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
     layout = zero1_layout(zero, split, config)
     rank = dist.get_global_rank(zero.process_group, zero.rank)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    store = create_node_store(spec, barrier, attach_with="attach_zero1")
-    bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
+    store = create_node_store(spec, barrier, attach_with="attach_zero1", settings=settings)
+    bound = RetainedZeRO1(zero, store, split, barrier, payload_fn, settings=settings)
     bound.bind(adopt=False)
     complete_new_store(store, barrier)
     return bound
@@ -198,7 +202,8 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
 
 def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callable[[], None] | None = None,
                  payload_fn: Callable[[], object] | None = None,
-                 names: dict[torch.nn.Parameter, str] | None = None, resume: bool = True) -> RetainedZeRO1:
+                 names: dict[torch.nn.Parameter, str] | None = None, resume: bool = True,
+                 settings: ProcessSettings | None = None) -> RetainedZeRO1:
     """This rank's existing store (recovered, e.g. by ``updater.recovery.recover_node``): the
     owned params, grads and optimizer state take its values, every replica is refreshed from
     its owner, and training continues after the last committed iteration (``.iteration``).
@@ -214,7 +219,7 @@ def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callabl
         raise ConfigurationError(f"rank {rank}: the params this rank owns ({expected.describe()}) do not match the "
                                  f"retained store of job {job_id!r} ({store.layout.describe()}): same model, "
                                  "optimizer, world size and RetainedConfig as the job that created it")
-    bound = RetainedZeRO1(zero, store, split, barrier, payload_fn)
+    bound = RetainedZeRO1(zero, store, split, barrier, payload_fn, settings=settings)
     bound.bind(adopt=True, resume=resume)
     bound.refresh_replicas()
     # The retained gradients are the last committed iteration's: the next one accumulates from zero.

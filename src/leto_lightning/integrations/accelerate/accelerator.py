@@ -48,11 +48,11 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
 from accelerate.utils import InitProcessGroupKwargs
 from typing_extensions import override
 
+from ...env import NODE_RANK, under_launcher
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
 from ...retained.torch_internals import mark_optimizer_stepped
 from ...runtime import per_rank
-from ...runtime.contract import NODE_RANK, under_launcher
 from ...runtime.link import RuntimeLink
 from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...env import ProcessSettings, job_prefix
 from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
@@ -41,13 +42,14 @@ def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str
     spec = StoreSpec(job_id, ranks["rank"], ranks["node"], ranks["local_rank"], ranks["local_world_size"], layout,
                      config)
     try:
-        store = RetainedStore.create(spec)
+        store = RetainedStore.create(spec, ProcessSettings.from_env())
     except FileExistsError:
         raise UsageError(
             f"retained memory of job {job_id!r} rank {ranks['rank']} already exists: continue from it with "
             f"LETO_RESUME=retained, or free it with `leto cleanup` (or leto_lightning.retained.shm.unlink_segments("
             f"{job_id!r})) to start over") from None
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
+                           settings=ProcessSettings.from_env())
     ro.bind(adopt=False)
     complete_new_store(store, barrier)
     return ro
@@ -57,14 +59,15 @@ def attach(optimizer: torch.optim.Optimizer, job_id: str, rank: int, barrier: Ca
            payload_fn: Callable[[], Any], rollback_window: bool) -> RetainedOptimizer:
     """This rank's existing store, views bound (``resume()`` once promoted)."""
     store = RetainedStore.attach(job_id, rank)
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window)
+    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
+                           settings=ProcessSettings.from_env())
     ro.bind(adopt=True, resume=False)
     return ro
 
 
 def agreed_job_id(world_size: int) -> str:
     """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
-    job = [new_job_id()]
+    job = [new_job_id(job_prefix())]
     if world_size > 1 and torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(job, src=0)
     return job[0]

@@ -18,9 +18,9 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ...env import field_override
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
-from ...runtime.contract import field_override
 from ...runtime.options import LetoRuntimeOptions
 
 # Set by `leto launch` for its trainers with their own meaning (the agent's job id, "retained" or

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...runtime.contract import RESUME, ResumeMode
+from ...env import RESUME, ResumeMode
 from ...runtime.storage import durable
 
 log = logging.getLogger(__name__)

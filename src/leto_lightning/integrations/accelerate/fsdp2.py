@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ...env import ProcessSettings
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
 from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
@@ -111,11 +112,11 @@ def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Retai
     wrapped = optimizer.__dict__.get("step")
     if continuing:
         bound = attach_fsdp2(model, optimizer, job_id=job_id, rank=ranks["rank"], barrier=barrier,
-                             payload_fn=payload_fn, resume=False)
+                             payload_fn=payload_fn, resume=False, settings=ProcessSettings.from_env())
     else:
         bound = create_fsdp2(model, optimizer, config, job_id=job_id, rank=ranks["rank"], node=ranks["node"],
                              local_rank=ranks["local_rank"], n_local=ranks["local_world_size"], barrier=barrier,
-                             payload_fn=payload_fn)
+                             payload_fn=payload_fn, settings=ProcessSettings.from_env())
     if wrapped is not None:
         optimizer.step = wrapped  # type: ignore[method-assign]
     else:

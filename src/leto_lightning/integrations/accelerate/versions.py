@@ -11,8 +11,8 @@ the lowest (``.ci/run``).
 
 from __future__ import annotations
 
+from ...env import ALLOW_UNTESTED_ACCELERATE
 from ...errors import ConfigurationError
-from ...runtime.contract import ALLOW_UNTESTED_ACCELERATE
 from ..tested import TestedRange
 
 ACCELERATE_RANGE = ">=1.15.0,<1.17"  # lowest and highest tested: 1.15.0 and 1.16.0 (pyproject.toml pins the same)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ...env import ProcessSettings
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
 from ...updater.zero1 import RetainedZeRO1, attach_zero1, create_zero1
@@ -40,6 +41,8 @@ def bind(zero: ZeroRedundancyOptimizer, config: RetainedConfig, job: str, ranks:
     if continuing:
         # The owned params take the store's values (resume() follows in the accelerator); the
         # replicas come from their owners now, before the first forward.
-        return attach_zero1(zero, job_id=job, barrier=barrier, payload_fn=payload_fn, names=names, resume=False)
+        return attach_zero1(zero, job_id=job, barrier=barrier, payload_fn=payload_fn, names=names, resume=False,
+                            settings=ProcessSettings.from_env())
     return create_zero1(zero, config, job_id=job, local_rank=ranks["local_rank"], n_local=ranks["local_world_size"],
-                        node=ranks["node"], barrier=barrier, payload_fn=payload_fn, names=names)
+                        node=ranks["node"], barrier=barrier, payload_fn=payload_fn, names=names,
+                        settings=ProcessSettings.from_env())

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from typing_extensions import override
 
-from ...runtime.contract import NODE_RANK, under_launcher
+from ...env import NODE_RANK, under_launcher
 
 
 def under_leto_launch(env: Mapping[str, str] = os.environ) -> bool:

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
+from ...env import job_prefix
 from ...errors import UsageError
 from ...faults.points import point
 from ...retained.config import RetainedConfig
@@ -149,7 +150,7 @@ def install_loop_state(host: LetoHost, trainer: pl.Trainer) -> None:
 # -- binding helpers -----------------------------------------------------------------------
 def agreed_new_job_id(host: LetoHost) -> str:
     """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
-    job = new_job_id()
+    job = new_job_id(job_prefix())
     if host.world_size > 1 and torch.distributed.is_initialized():
         job = host.broadcast(job, src=0)
     return job

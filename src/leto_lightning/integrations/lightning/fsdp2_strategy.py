@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from ...env import ProcessSettings
 from ...errors import ConfigurationError, UsageError
 from ...retained.config import RetainedConfig
 from ...runtime.link import RuntimeLink
@@ -237,11 +238,11 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
                                                      payload_fn=payload)
         if self.fit_state.mode.from_retained_memory:
             return attach_fsdp2(self.model, optimizer, job_id=self.job_id, rank=self.global_rank, barrier=barrier,
-                                payload_fn=payload, resume=False)
+                                payload_fn=payload, resume=False, settings=ProcessSettings.from_env())
         self.retained_config.check_devices(self.num_processes)
         return create_fsdp2(self.model, optimizer, self.retained_config, job_id=self.job_id, rank=self.global_rank,
                             node=self.node_rank, local_rank=self.local_rank, n_local=self.num_processes,
-                            barrier=barrier, payload_fn=payload)
+                            barrier=barrier, payload_fn=payload, settings=ProcessSettings.from_env())
 
     # -- the step ----------------------------------------------------------------------------
     @override

@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ...env import under_launcher
 from ...errors import ConfigurationError
-from ...runtime.contract import under_launcher
 
 # Imports of this package's modules happen inside the functions: install() runs right after
 # lightning.pytorch executed, possibly in the middle of importing one of them (__init__.register).

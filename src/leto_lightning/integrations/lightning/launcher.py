@@ -40,7 +40,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
 from ...console import notice
-from ...runtime.contract import NO_SUPERVISE
+from ...env import NO_SUPERVISE
 from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
 from .internals import Launcher, is_fit_impl, set_num_threads_if_needed

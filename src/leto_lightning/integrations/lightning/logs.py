@@ -47,7 +47,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from ...console import say
-from ...runtime.contract import RESUME, ResumeMode
+from ...env import RESUME, ResumeMode
 from . import internals
 from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
 from .tensorboard_logs import TensorBoardContinuity

@@ -34,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.migration import migrate_checkpoint
 from typing_extensions import override
 
+from ...env import ProcessSettings
 from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.store import RetainedStore, StoreSpec
@@ -436,7 +437,7 @@ class LetoStrategy(DDPStrategy):
 
 def _create_store(spec: StoreSpec) -> RetainedStore:
     try:
-        return RetainedStore.create(spec)
+        return RetainedStore.create(spec, ProcessSettings.from_env())
     except FileExistsError:
         raise RuntimeError(
             f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: continue from it with "

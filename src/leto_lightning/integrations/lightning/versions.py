@@ -9,8 +9,8 @@ highest version of the range and a fast subset on the lowest (``.ci/run``).
 
 from __future__ import annotations
 
+from ...env import ALLOW_UNTESTED_LIGHTNING
 from ...errors import ConfigurationError
-from ...runtime.contract import ALLOW_UNTESTED_LIGHTNING
 from ..tested import TestedRange
 
 LIGHTNING_RANGE = ">=2.6.0,<2.7"  # lowest and highest tested: 2.6.0 and 2.6.6 (pyproject.toml pins the same)

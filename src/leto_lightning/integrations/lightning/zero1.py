@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ...env import ProcessSettings
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
 from ...retained.layout import StoreLayout
@@ -48,10 +49,11 @@ def store_layout(optimizer: torch.optim.Optimizer, config: RetainedConfig, names
 
 def retained_for(optimizer: torch.optim.Optimizer, store: RetainedStore, barrier: Callable[[], None] | None,
                  payload: Callable[[], object], manual: bool, split: Partition | None) -> RetainedOptimizer:
+    settings = ProcessSettings.from_env()
     if split is None:
-        return RetainedOptimizer(optimizer, store, barrier, payload, rollback_window=manual)
+        return RetainedOptimizer(optimizer, store, barrier, payload, rollback_window=manual, settings=settings)
     assert isinstance(optimizer, ZeroRedundancyOptimizer)
-    return RetainedZeRO1(optimizer, store, split, barrier, payload)
+    return RetainedZeRO1(optimizer, store, split, barrier, payload, settings=settings)
 
 
 def stepped_optimizer(ro: RetainedOptimizer) -> torch.optim.Optimizer:

@@ -23,7 +23,6 @@ import ctypes
 import ctypes.util
 import importlib.metadata
 import importlib.util
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -32,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...runtime.contract import ISAL_LIBRARY
 from ..errors import EngineUnavailableError
 from .base import ErasureEngine, check_matrix, check_operands
 
@@ -45,10 +43,16 @@ _loaded: tuple[ctypes.CDLL | None, str] | None = None
 
 
 def _candidates() -> Iterator[str]:
-    """Places to look for libisal, most explicit first."""
-    env = os.environ.get(ISAL_LIBRARY)
-    if env:
-        yield env
+    """Places to look for libisal, most explicit first.
+
+    ``$LETO_ISAL_LIBRARY`` comes from ``env.isal_library``: the one environment read below
+    ``runtime/`` (``tests/test_environment_reads.py``). The library is loaded once per process,
+    at the import of ``protection/checksum.py``, before any caller could pass a path down."""
+    from ...env import isal_library
+
+    explicit = isal_library()
+    if explicit:
+        yield explicit
     found = ctypes.util.find_library("isal")
     if found:
         yield found

@@ -9,17 +9,9 @@ import os
 
 import torch
 
-from ...errors import ConfigurationError, RetainedStateError
+from ...errors import CudaUnavailableError
 
-__all__ = ["CudaUnavailableError", "DeviceManagerError", "gpu_uuid", "require_cuda"]
-
-
-class CudaUnavailableError(ConfigurationError, RuntimeError):
-    """``backend="cuda"`` where torch cannot use a CUDA device."""
-
-
-class DeviceManagerError(RetainedStateError):
-    """The state manager cannot be reached, or failed."""
+__all__ = ["gpu_uuid", "require_cuda"]
 
 
 def require_cuda() -> None:

@@ -48,27 +48,35 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigurationError, UsageError
-from ...runtime.contract import CUDA_MANAGER, RUN_DIR
+from ...env import CUDA_MANAGER
+from ...errors import (
+    ConfigurationError,
+    CudaUnavailableError,
+    DeviceManagerError,
+    InternalError,
+    UsageError,
+)
 from ..shm import SharedSegment
 from ..torch_internals import cuda_lazy_init, open_shared_cuda, uint8_tensor
-from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
+from .cuda_device import gpu_uuid, require_cuda
 
-MANAGER_ENV = CUDA_MANAGER  # address of the manager new CUDA stores allocate from
+MANAGER_ENV = CUDA_MANAGER  # names the agent's manager; read by runtime/ and integrations: ProcessSettings
 REQUEST_TIMEOUT = 300.0  # s: a multi-GiB allocation and its zero fill are not instant
 _SOCKET_MAX = 100  # AF_UNIX paths are limited to 107 bytes
 
 
-def default_address(tag: str) -> str:
-    """A Unix-socket path for a manager, in ``$LETO_RUN_DIR`` (else the temp directory)."""
+def default_address(tag: str, directory: str | None = None) -> str:
+    """A Unix-socket path for a manager, in ``directory`` (the run directory,
+    ``ProcessSettings.manager_dir``), else the temp directory."""
     name = f"leto-{tag}-statemgr.sock"
-    path = os.path.join(os.environ.get(RUN_DIR) or tempfile.gettempdir(), name)
+    path = os.path.join(directory or tempfile.gettempdir(), name)
     return path if len(path) <= _SOCKET_MAX else os.path.join("/tmp", name)
 
 
 # -- client side -------------------------------------------------------------------------
 _ERRORS = {"FileExistsError": FileExistsError, "FileNotFoundError": FileNotFoundError,
-           "CudaUnavailableError": CudaUnavailableError, "ValueError": ConfigurationError}
+           "CudaUnavailableError": CudaUnavailableError, "ConfigurationError": ConfigurationError,
+           "ValueError": ConfigurationError, "InternalError": InternalError}  # else DeviceManagerError
 
 
 CONNECT_WAIT = 120.0  # s a trainer waits for its agent's manager, launched beside it, to listen
@@ -202,14 +210,13 @@ class CudaStateManager:
 _PRIVATE: dict[str, CudaStateManager] = {}  # managers started for single stores by this process
 
 
-def manager_for_new_store(tag: str) -> str:
-    """Address a new CUDA store allocates from: ``$LETO_CUDA_MANAGER`` when set (the agent's
-    manager), else a private manager started now on this process's current device (daemonic;
-    it exits once its last buffer is freed)."""
-    address = os.environ.get(MANAGER_ENV)
+def manager_for_new_store(tag: str, address: str = "", directory: str | None = None) -> str:
+    """Address a new CUDA store allocates from: ``address`` when given (the agent's manager,
+    ``ProcessSettings.cuda_manager``), else a private manager started now on this process's
+    current device, listening in ``directory`` (daemonic; it exits once its last buffer is freed)."""
     if address:
         return address
-    manager = CudaStateManager.start(default_address(tag), torch.cuda.current_device(),
+    manager = CudaStateManager.start(default_address(tag, directory), torch.cuda.current_device(),
                                      exit_when_empty=True, daemon=True)
     _PRIVATE[manager.address] = manager
     return manager.address

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from ...errors import ConfigurationError, CudaUnavailableError, DeviceManagerError, InternalError
 from ..shm import SharedSegment
 from ..torch_internals import release_ipc_counter, set_cuda_allocator_settings, share_cuda
-from .cuda_device import CudaUnavailableError, DeviceManagerError, gpu_uuid, require_cuda
+from .cuda_device import gpu_uuid, require_cuda
 
 _IDLE_CLIENT = 30.0  # s a connected client may stay silent before the manager moves on
 
@@ -64,16 +65,18 @@ class _Server:
         try:
             method = getattr(self, f"op_{request[0]}", None)
             if method is None:
-                raise ValueError(f"unknown request {request[0]!r}")
+                raise InternalError(f"unknown request {request[0]!r} (a client of another leto-lightning version?)")
             return {"ok": True, **method(*request[1:])}
         except Exception as exc:  # reported to the client, the manager keeps serving
             return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
 
     def op_alloc(self, name: str, nbytes: int, device: int | None = None) -> dict:
+        # FileExistsError / FileNotFoundError (op_lookup) stay the builtins: the client raises them
+        # by name (cuda_ipc._ERRORS), like shm_open does for host segments, and the stores catch them.
         if name in self.buffers:
             raise FileExistsError(f"retained buffer {name!r} already exists in the state manager")
         if nbytes <= 0:
-            raise ValueError(f"buffer {name!r}: size must be positive, got {nbytes}")
+            raise ConfigurationError(f"buffer {name!r}: size must be positive, got {nbytes}")
         buf = self._alloc_cuda(name, nbytes, device) if self.cuda else self._alloc_host(name, nbytes)
         self.buffers[name] = buf
         return {"share": buf.share}
@@ -82,7 +85,8 @@ class _Server:
         """On ``device`` (the trainer's), else the manager's own; a lazy manager needs one."""
         index = int(self.device) if device is None and self.device != "lazy" else device
         if index is None:
-            raise ValueError(f"buffer {name!r}: this state manager serves any device; the request must name one")
+            raise ConfigurationError(f"buffer {name!r}: this state manager serves any device; the request must "
+                                     "name one")
         self.devices.add(int(index))
         tensor = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
         ipc = share_cuda(tensor)  # event recorded after the zero fill

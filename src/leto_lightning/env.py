@@ -1,4 +1,7 @@
-"""The launcher-to-worker contract: every ``LETO_*`` variable an agent gives its trainers.
+"""The process environment of leto-lightning: every ``LETO_*`` variable, and the one place that reads them.
+
+The launcher-to-worker contract -- every ``LETO_*`` variable an agent gives its trainers -- and the
+knobs users and tests set.
 
 Why one module: the agent (``runtime/agent.py``) writes these variables and the trainer's
 side (the session, the Lightning and Accelerate integrations, the examples) reads them, in
@@ -29,6 +32,14 @@ The knobs a *user* (or a test) sets, which no launcher writes, are named below a
 too (``DEBUG``, ``SECRET``, ...), so that no module spells a ``LETO_`` name as a literal.
 ``LETO_<FIELD>`` overrides of ``LetoConfig`` fields are formed by ``field_override``.
 
+Who reads the environment: the top level, ``integrations/`` and ``runtime/`` (with the readers
+at the end of this module). The layers below them -- ``updater/``, ``retained/``,
+``protection/`` -- never do: what a variable says reaches them as a parameter (the job-id
+prefix; the fused Adam switch, the agent's CUDA state manager and the run directory a private
+manager listens in, bundled as ``ProcessSettings``). One exception, ``isal_library``: ISA-L is
+located once per process when ``protection/checksum.py`` is imported, before any caller could
+pass a path (``tests/test_environment_reads.py`` names it and checks everything else).
+
 A leaf module: it imports only the standard library and ``leto_lightning.errors``, so every
 layer may use it.
 """
@@ -42,7 +53,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..errors import ConfigurationError
+from .errors import ConfigurationError
 
 # -- the contract's variables ---------------------------------------------------------------
 ROLE = "LETO_ROLE"
@@ -73,6 +84,7 @@ SHADOWS = "LETO_SHADOWS"  # "0": per-rank agents keep no shadows (a failure star
 JOB_PREFIX = "LETO_JOB_PREFIX"  # prepended to new job ids (a test session's leak guard)
 RECIPES_DIR = "LETO_RECIPES_DIR"  # where the recipe YAMLs are (default: recipes/ beside src/)
 ISAL_LIBRARY = "LETO_ISAL_LIBRARY"  # path of an ISA-L shared library to use instead of pyeclib's
+FUSED_ADAM = "LETO_FUSED_ADAM"  # "0": Adam chunks run torch's math, not the fused kernel (updater/fused_adam.py)
 WANDB = "LETO_WANDB"  # examples: "0" turns the wandb logger off
 FIELD_PREFIX = "LETO_"
 
@@ -218,3 +230,58 @@ def _faults(environ: Mapping[str, str]) -> tuple[Mapping[str, Any], ...]:
     if not isinstance(faults, list):
         raise ConfigurationError(f"{FAULTS}={text!r}: expected a JSON list of fault objects")
     return tuple(faults)
+
+
+# -- readers of the knobs (runtime/, integrations/ and the top level pass the values down) ---
+_OFF = ("0", "false", "no", "off")
+
+
+def job_prefix(environ: Mapping[str, str] = os.environ) -> str:
+    """``LETO_JOB_PREFIX``: what new job ids start with ("" when unset); pass it to
+    ``retained.shm.new_job_id``."""
+    return environ.get(JOB_PREFIX, "")
+
+
+def fused_adam_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``LETO_FUSED_ADAM``: False when it says 0 / false / no / off (any case), else True."""
+    return environ.get(FUSED_ADAM, "1").strip().lower() not in _OFF
+
+
+def isal_library(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``LETO_ISAL_LIBRARY``: the ISA-L shared library to try first, or None."""
+    return environ.get(ISAL_LIBRARY) or None
+
+
+def cuda_manager(environ: Mapping[str, str] = os.environ) -> str:
+    """``LETO_CUDA_MANAGER``: the address of the agent's CUDA state manager new CUDA stores
+    allocate from, "" when none (a store then starts a private one)."""
+    return environ.get(CUDA_MANAGER, "")
+
+
+def run_dir(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``LETO_RUN_DIR`` when set and not empty, else None."""
+    return environ.get(RUN_DIR) or None
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What the process environment tells the layers below ``runtime/``, which never read it:
+    runtime/, integrations/ (and the top level) build it with ``from_env`` and pass it down
+    (``RetainedStore.create``, ``RetainedOptimizer``, ``create_zero1``, ``create_fsdp2``,
+    ``recover_node``, ...). The defaults are what an empty environment says.
+
+    fused_adam:   ``LETO_FUSED_ADAM``: Adam chunks may use the fused kernel (``updater/fused_adam.py``).
+    cuda_manager: ``LETO_CUDA_MANAGER``: the agent's CUDA state manager new CUDA stores allocate
+                  from; "" starts a private one for the store.
+    manager_dir:  ``LETO_RUN_DIR``: where a private state manager's socket goes (None: the
+                  temporary directory).
+    """
+
+    fused_adam: bool = True
+    cuda_manager: str = ""
+    manager_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ProcessSettings:
+        return cls(fused_adam=fused_adam_enabled(environ), cuda_manager=cuda_manager(environ),
+                   manager_dir=run_dir(environ))
