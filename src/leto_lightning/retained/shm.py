@@ -13,7 +13,6 @@ which unlinks them when the attaching process (a trainer) exits -- the opposite 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import secrets
 import time
@@ -79,7 +78,6 @@ class SharedSegment:
     name: str
     nbytes: int
     owner: bool = False
-    _mmap: mmap.mmap | None = field(default=None, repr=False)
     _tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -92,53 +90,53 @@ class SharedSegment:
             require_capacity(nbytes, f"segment {name}")  # else reserving it would first take what is free
             os.ftruncate(fd, nbytes)  # sized at once: an attacher waits for this (``_sized``)
             _reserve(fd, name, nbytes)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            unlink_segment(name)
+            raise
+        os.close(fd)
+        try:
+            mapped = _map(name, nbytes)
         except BaseException:
             unlink_segment(name)
             raise
-        finally:
-            os.close(fd)
-        return cls(name=name, nbytes=nbytes, owner=True, _mmap=mm)
+        return cls(name=name, nbytes=nbytes, owner=True, _tensor=mapped)
 
     @classmethod
     def attach(cls, name: str) -> SharedSegment:
         """Map an existing segment (e.g. from a shadow trainer after the active one died)."""
-        fd = _shm_open(name, os.O_RDWR, 0o600)
+        fd = _shm_open(name, os.O_RDWR, 0o600)  # checked as ours, no link, sized, before mapping it
         try:
             nbytes = _sized(fd, name)
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name=name, nbytes=nbytes, owner=False, _mmap=mm)
+        return cls(name=name, nbytes=nbytes, owner=False, _tensor=_map(name, nbytes))
 
     @property
     def tensor(self) -> torch.Tensor:
         """The whole segment as a writable uint8 tensor (a view, no copy)."""
         if self._tensor is None:
-            if self._mmap is None:
-                raise UsageError(f"segment {self.name!r} is closed")
-            # Through a memoryview, which every tensor viewing the segment keeps alive: it holds an
-            # export of the mapping, so ``close`` cannot unmap memory a tensor still views
-            # (``frombuffer`` of the mmap itself releases its export at once).
-            self._tensor = torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
+            raise UsageError(f"segment {self.name!r} is closed")
         return self._tensor
 
     def close(self) -> None:
-        """Drop this process's mapping; the segment itself stays until unlinked.
+        """Drop this process's reference to the mapping; the segment itself stays until unlinked.
 
-        Tensors viewing the mapping keep it alive (``mmap`` refuses to close while buffers are
-        exported); in that case the mapping is released when the last view is collected.
+        The mapping belongs to the tensor's storage: it is released when the last tensor viewing
+        it is collected, so a view that outlives ``close`` (a model's parameters after the store
+        was freed) never points into unmapped memory, and no file descriptor is held meanwhile.
         """
         self._tensor = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass
-            self._mmap = None
 
     def unlink(self) -> None:
         unlink_segment(self.name)
+
+
+def _map(name: str, nbytes: int) -> torch.Tensor:
+    """The segment as a writable uint8 tensor, ``MAP_SHARED`` by torch's file mapping: the
+    mapping lives exactly as long as the storage (every view of it), and torch closes the file
+    descriptor once mapped (``mmap.mmap`` would keep a duplicate open for its whole life)."""
+    return torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _reserve(fd: int, name: str, nbytes: int) -> None:
