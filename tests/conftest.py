@@ -15,6 +15,11 @@ from leto_lightning.retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments
 # rely on it: a job id given explicitly (LETO_JOB_ID, job_id=...), or an environment that drops
 # the prefix, still makes /dev/shm/leto-* segments, and those are checked too.
 os.environ["LETO_JOB_PREFIX"] = f"t{os.getpid()}x"
+# Launched jobs start every trainer from a new interpreter unless a test asks for the warm
+# template (``warm_template`` fixture): its imports cost each of the suite's ~100 launched jobs
+# seconds of CPU on a 2-core machine. The end-to-end modules that must hold with forked trainers
+# (plain PyTorch, Lightning and Accelerate launches, the ready-shadow case) turn it on.
+os.environ.setdefault("LETO_WARM_TEMPLATE", "0")
 OURS = SEGMENT_PREFIX + os.environ["LETO_JOB_PREFIX"]
 _SESSION = re.compile(re.escape(SEGMENT_PREFIX) + r"t(\d+)x")
 
@@ -97,3 +102,10 @@ def no_leaks():
     orphans = _children() - before_children
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
     assert not orphans, f"child processes left running: {sorted(orphans)}"
+
+
+@pytest.fixture
+def warm_template(monkeypatch):
+    """Launched jobs of this test fork their later trainers from the warm template (the default
+    outside the suite)."""
+    monkeypatch.setenv("LETO_WARM_TEMPLATE", "1")

@@ -79,7 +79,7 @@ SECRET_FILE = "LETO_SECRET_FILE"  # ... or a file holding it, readable by its ow
 ALLOW_UNTESTED_LIGHTNING = "LETO_ALLOW_UNTESTED_LIGHTNING"  # "1": run a Lightning outside the tested range
 ALLOW_UNTESTED_ACCELERATE = "LETO_ALLOW_UNTESTED_ACCELERATE"  # "1": run an Accelerate outside the tested range
 NO_SUPERVISE = "LETO_NO_SUPERVISE"  # "1": a rank under torchrun/Lightning does not become its own agent
-WARM_TEMPLATE = "LETO_WARM_TEMPLATE"  # "0": per-rank agents start every trainer from a new interpreter
+WARM_TEMPLATE = "LETO_WARM_TEMPLATE"  # "0": every agent starts every trainer from a new interpreter
 SHADOWS = "LETO_SHADOWS"  # "0": per-rank agents keep no shadows (a failure starts new trainers)
 JOB_PREFIX = "LETO_JOB_PREFIX"  # prepended to new job ids (a test session's leak guard)
 RECIPES_DIR = "LETO_RECIPES_DIR"  # where the recipe YAMLs are (default: recipes/ beside src/)
@@ -240,6 +240,12 @@ def job_prefix(environ: Mapping[str, str] = os.environ) -> str:
     """``LETO_JOB_PREFIX``: what new job ids start with ("" when unset); pass it to
     ``retained.shm.new_job_id``."""
     return environ.get(JOB_PREFIX, "")
+
+
+def warm_template_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``LETO_WARM_TEMPLATE``: False when it says 0 / false / no / off (any case), else True --
+    the default of ``leto launch``/``leto train``'s warm template (docs/runtime.md)."""
+    return environ.get(WARM_TEMPLATE, "1").strip().lower() not in _OFF
 
 
 def fused_adam_enabled(environ: Mapping[str, str] = os.environ) -> bool:

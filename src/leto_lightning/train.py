@@ -66,6 +66,7 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     """The agent that trains ``recipe_name`` with ``overrides`` (validated here)."""
     from omegaconf import OmegaConf
 
+    from .env import warm_template_enabled
     from .examples import ACCELERATE_TRAIN, RECIPE_TRAIN
     from .models.config import load_recipe
     from .runtime.agent import Agent, LaunchSpec
@@ -91,7 +92,8 @@ def build_agent(recipe_name: str, overrides, run_dir: str | None = None, heartbe
     script, script_args = (ACCELERATE_TRAIN, ["--recipe", resolved]) if trainer == "accelerate" else (RECIPE_TRAIN,
                                                                                                      [resolved])
     spec = LaunchSpec(script=script, args=script_args, nproc_per_node=par.dp, run_dir=run_dir, faults=faults)
-    config = RuntimeConfig(heartbeat_timeout=heartbeat_timeout, shadow_level=recipe.leto.shadow_level)
+    config = RuntimeConfig(heartbeat_timeout=heartbeat_timeout, shadow_level=recipe.leto.shadow_level,
+                           warm_template=warm_template_enabled())
     notice(f"training {recipe.name} ({recipe.size}) on {par.dp} CPU ranks; {len(faults)} HOFs planned; "
            f"run dir {run_dir}")
     return Agent(spec, config, out=out)

@@ -34,6 +34,15 @@ from acc_job import (
     wait_for,
 )
 
+
+@pytest.fixture(autouse=True)
+def _warm_template(monkeypatch) -> None:
+    """Later trainers forked from the warm template (off by default in the suite: conftest)."""
+    import acc_job
+
+    monkeypatch.setitem(acc_job.QUIET, "LETO_WARM_TEMPLATE", "1")
+
+
 SLEEP = ["--sleep", "0.35"]  # per micro-step: recoveries (shadows re-imported) fit in the run
 
 

@@ -37,6 +37,14 @@ from launch_job import (
 from leto_lightning.faults.plan import planned_faults
 from leto_lightning.testing.launched import stop
 
+
+@pytest.fixture(autouse=True)
+def _warm_template(monkeypatch) -> None:
+    """Later trainers forked from the warm template (off by default in the suite: conftest)."""
+    import launch_job
+
+    monkeypatch.setitem(launch_job.QUIET, "LETO_WARM_TEMPLATE", "1")
+
 STEPS = 40  # 10 batches per epoch and rank: epochs end after steps 9, 19, 29; validation every 5 batches;
 # checkpoints (every 7 steps, plus last.ckpt) after steps 6, 13, 20, 27, 34
 

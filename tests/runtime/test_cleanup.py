@@ -10,28 +10,55 @@ import os
 import pytest
 
 from leto_lightning import cli
-from leto_lightning.retained.shm import SHM_DIR, list_segments
+from leto_lightning.retained.shm import SHM_DIR, list_segments, unlink_segments
 from leto_lightning.runtime.cleanup import retained_jobs
 from leto_lightning.testing.scenario import CoreScenario
 
 
+def _holder() -> tuple[int, str, int]:
+    """A forked process that creates a job's store and keeps it mapped until told to exit:
+    (its pid, the job id, the write end that tells it)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            job = CoreScenario(n_ranks=1).create_job()
+            os.write(ready_w, job.job_id.encode())
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(go_r)
+    job_id = os.read(ready_r, 256).decode()
+    os.close(ready_r)
+    return pid, job_id, go_w
+
+
 def test_cleanup_refuses_mapped_memory_and_frees_it_once_unmapped(capsys) -> None:
-    job = CoreScenario(n_ranks=1).create_job()  # this process maps the store
+    pid, job_id, go = _holder()  # another process maps the store, as a live trainer does
     try:
-        info = retained_jobs()[job.job_id]
+        info = retained_jobs()[job_id]
         assert info.segments and info.nbytes > 0 and info.users
-        assert cli.main(["cleanup", "--job", job.job_id]) == 1
-        assert "in use by pid" in capsys.readouterr().out
-        assert list_segments(f"leto-{job.job_id}-")
-        assert cli.main(["cleanup", "--job", job.job_id, "--dry-run", "--force"]) == 0
-        assert list_segments(f"leto-{job.job_id}-")  # a dry run frees nothing
-        for store in job.stores:
-            store.close()
-        assert cli.main(["cleanup", "--job", job.job_id]) == 0
+        assert cli.main(["cleanup", "--job", job_id]) == 1
+        assert f"in use by pid(s) [{pid}]" in capsys.readouterr().out
+        assert list_segments(f"leto-{job_id}-")
+        assert cli.main(["cleanup", "--job", job_id, "--dry-run", "--force"]) == 0
+        assert list_segments(f"leto-{job_id}-")  # a dry run frees nothing
+        os.write(go, b"x")  # it exits: nothing maps the memory any more
+        os.waitpid(pid, 0)
+        assert cli.main(["cleanup", "--job", job_id]) == 0
         assert "freed" in capsys.readouterr().out
-        assert list_segments(f"leto-{job.job_id}-") == []
+        assert list_segments(f"leto-{job_id}-") == []
     finally:
-        job.close()
+        os.close(go)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        unlink_segments(job_id)
 
 
 def test_cleanup_needs_a_target(tmp_path, capsys) -> None:

@@ -12,6 +12,8 @@ from leto_lightning.faults.plan import planned_faults
 
 from .harness import finish, run, same_state, start, stop, wait_for
 
+pytestmark = pytest.mark.usefixtures("warm_template")  # later trainers forked from the warm template
+
 ITERATIONS = 50
 
 

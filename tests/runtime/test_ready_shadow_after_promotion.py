@@ -27,7 +27,7 @@ def test_a_second_sigkill_soon_after_a_promotion_is_served_by_a_ready_shadow(tmp
     cmd = [sys.executable, "-m", "leto_lightning.cli", "train", "olmoe", "size=tiny", "trainer.max_steps=140",
            "faults.hof_every=70", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, LETO_WANDB="0", PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, LETO_WANDB="0", PYTHONUNBUFFERED="1", LETO_WARM_TEMPLATE="1"))
     try:
         wait_for(lambda: run_dir.exists() and _promoted(run_dir), 240, "the injected fault's promotion")
         (promotion,) = _promoted(run_dir)

@@ -7,6 +7,7 @@ import json
 import os
 import time
 
+from ..env import warm_template_enabled
 from ..errors import ConfigurationError
 from .agent import Agent, LaunchSpec
 from .config import ClassificationRule, RuntimeConfig
@@ -47,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shadows", action="store_true", help="recover by starting new trainers (slower)")
     p.add_argument("--no-warm-template", action="store_true",
                    help="start every trainer from a new interpreter instead of forking it from a process "
-                        "that already imported the script's modules (docs/runtime.md)")
+                        "that already imported the script's modules (also: LETO_WARM_TEMPLATE=0; docs/runtime.md)")
     p.add_argument("--max-failures", type=int, default=20, help="failures allowed within --failure-window")
     p.add_argument("--failure-window", type=float, default=3600.0)
     p.add_argument("--non-hof-exit-code", type=int, action="append", default=[],
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                   for c in args.non_hof_exit_code)
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
-                           warm_template=not args.no_warm_template,
+                           warm_template=not args.no_warm_template and warm_template_enabled(),
                            max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
     return Agent(spec, config, reclaim=reclaim_config_from_args(args)).run()
 
