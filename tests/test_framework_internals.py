@@ -34,15 +34,10 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = "leto_lightning"
-_SPEC = importlib.util.find_spec(ROOT)  # finds the package without executing it
-assert _SPEC is not None and _SPEC.submodule_search_locations
-SRC = Path(next(iter(_SPEC.submodule_search_locations)))
+from test_layering import MODULES, ROOT, SRC  # the package's modules, found as the layering test finds them
 
 INVENTORY_MODULES = (
     f"{ROOT}.integrations.lightning.internals",
@@ -85,19 +80,6 @@ def _private(name: str) -> bool:
 
 def _is_framework(module: str) -> bool:
     return module.split(".")[0] in FRAMEWORKS
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = [ROOT, *path.relative_to(SRC).with_suffix("").parts]
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-MODULES = _modules()
 
 
 @functools.cache

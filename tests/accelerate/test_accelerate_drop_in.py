@@ -75,14 +75,20 @@ def _components(accelerator):
     return accelerator.prepare(model, opt, loader)
 
 
+def _trained(accelerator):
+    """``_components``, after one epoch of training."""
+    model, opt, loader = _components(accelerator)
+    for (x,) in loader:
+        accelerator.backward(model(x).sum())
+        opt.step()
+        opt.zero_grad()
+    return model, opt, loader
+
+
 def test_del_accelerator_frees_it_and_its_retained_memory() -> None:
     before = _ours()
     acc = LetoAccelerator(leto=LETO)
-    model, opt, loader = _components(acc)
-    for (x,) in loader:
-        acc.backward(model(x).sum())
-        opt.step()
-        opt.zero_grad()
+    model, opt, _ = _trained(acc)
     names = acc.retained.store.segment_names()
     assert set(names) <= _ours()
     ref = weakref.ref(acc)
@@ -108,11 +114,7 @@ def test_the_model_stays_usable_after_end_training() -> None:
 
     def train_then_use() -> list[float]:
         acc = LetoAccelerator(leto=LETO)
-        model, opt, loader = _components(acc)
-        for (x,) in loader:
-            acc.backward(model(x).sum())
-            opt.step()
-            opt.zero_grad()
+        model, _, _ = _trained(acc)
         expected = model(torch.ones(1, 4)).detach().clone()
         acc.end_training()
         with torch.no_grad():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
@@ -31,12 +32,21 @@ def _save(commits: CheckpointCommits, iteration: int) -> str:
     return path
 
 
-def _save_all(ranks: list[CheckpointCommits], iteration: int) -> None:
-    threads = [threading.Thread(target=lambda c=c: c.saved(iteration, [_save(c, iteration)])) for c in ranks]
+def _at_once(calls: list[Callable[[], object]]) -> list[object]:
+    """Each call in its own thread, as the job's ranks make them (each waits for the others);
+    their results, in order."""
+    got: list[object] = [None] * len(calls)
+    threads = [threading.Thread(target=lambda i=i, call=call: got.__setitem__(i, call()))
+               for i, call in enumerate(calls)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    return got
+
+
+def _save_all(ranks: list[CheckpointCommits], iteration: int) -> None:
+    _at_once([lambda c=c: c.saved(iteration, [_save(c, iteration)]) for c in ranks])
 
 
 def test_committed_only_once_every_rank_wrote_it(tmp_path):
@@ -48,13 +58,7 @@ def test_committed_only_once_every_rank_wrote_it(tmp_path):
         ranks[0].saved(20, [_save(ranks[0], 20)], timeout_s=0.3)
     assert not os.path.exists(os.path.join(ranks[0].directory(20), COMMIT_MARK))
     restarted = _ranks(tmp_path, 2, generation=1)
-    got = [None, None]
-    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, restarted[r].newest_committed()))
-               for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    got = _at_once([r.newest_committed for r in restarted])
     assert got == [10, 10]  # not 20 for rank 0 and 10 for rank 1
     assert sorted(os.listdir(ranks[0].directory(10))) == [COMMIT_MARK, "rank0.pt", "rank1.pt"]
 
@@ -74,24 +78,13 @@ def test_a_mark_on_one_node_is_enough(tmp_path):
     (a rank drops a file only after a newer mark): both restart from 20."""
     store = SignedStore(dist.HashStore(), os.urandom(16))
     node0, node1 = (CheckpointCommits(str(tmp_path / f"node{n}"), n, 2, store) for n in (0, 1))
-    threads = [threading.Thread(target=lambda c=c: c.saved(10, [_save(c, 10)])) for c in (node0, node1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _save_all([node0, node1], 10)
     _save(node1, 20)
     store.set("ckpt/20/1", "1")  # node 1 announced, then died before its mark
     node0.saved(20, [_save(node0, 20)], timeout_s=5)
     assert node0.newest_committed_here() == 20 and node1.newest_committed_here() == 10
     restarted = [CheckpointCommits(c.base, c.rank, 2, store, generation=1) for c in (node0, node1)]
-    got = [None, None]
-    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, restarted[r].newest_committed()))
-               for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert got == [20, 20]
+    assert _at_once([r.newest_committed for r in restarted]) == [20, 20]
     assert os.path.exists(os.path.join(node1.directory(20), "rank1.pt"))
 
 

@@ -64,7 +64,6 @@ def _exercise(script: str, workdir: str) -> dict:
     seen["sleeper_said"] = json.loads(sleeper.stdout.readline())
     os.kill(sleeper.pid, signal.SIGKILL)
     seen["killed"] = sleeper.wait(timeout=30)
-    seen["agent"] = os.getpid()
     template.close()
     seen["template_code"] = template.popen.returncode
     return seen

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ..env import Role
+from .template_server import die_with_parent
 from .warm_template import ForkedProcess, WarmTemplate
 
 TAIL_LINES = 20  # the last lines of a trainer's output the agent keeps, to say why it failed
@@ -73,23 +74,12 @@ def spawn(cmd: list[str], env: dict[str, str], rank: int, local_rank: int, role:
     if popen is None:
         popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, bufsize=1, text=True, errors="replace",
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=die_with_parent)  # trainers never outlive the agent
     proc = TrainerProcess(rank, local_rank, role, generation, shadow_set, popen)
     prefix = f"[rank {rank} {role.value} g{generation}] "
     proc._pump = threading.Thread(target=_pump, args=(popen.stdout, prefix, out or sys.stdout, proc.tail), daemon=True)
     proc._pump.start()
     return proc
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL me if the agent dies (even by SIGKILL), so trainers
-    never outlive the process that supervises them (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the agent's own cleanup still applies
-        pass
 
 
 def _pump(stream, prefix: str, out, tail: deque) -> None:

@@ -81,8 +81,8 @@ class _Server:
     """The template's loop: requests from the agent, and its trainers' exits (``SIGCHLD`` wakes
     it through a pipe), each reported to the agent over the socket."""
 
-    def __init__(self, sock: socket.socket, agent: int) -> None:
-        self.sock, self.agent = sock, agent
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler, so the wakeup fd is written
@@ -144,7 +144,7 @@ def _become_trainer(sock: socket.socket, request: dict, out_fd: int, template: i
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    _die_with_parent(template)  # the template dies with the agent
+    die_with_parent(template)  # the template dies with the agent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
@@ -173,16 +173,17 @@ def _fresh_global_rngs() -> None:
         numpy.random.seed()
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when ``parent`` dies (PR_SET_PDEATHSIG): the template dies with the
-    agent, a trainer with the template -- as a ``Popen`` child of the agent would."""
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``):
+    a trainer the agent starts (before exec), the template, a trainer forked from the template.
+    ``parent``: the pid it must still have once armed (else it died first: exit at once)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: the agent's own cleanup still applies
         return
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    if parent is not None and os.getppid() != parent:
         os._exit(70)
 
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     # a Ctrl-C or SLURM's SIGINT to the job's process group is the agent's to handle (it closes
     # the template): no KeyboardInterrupt traceback from here. Trainers get the default back.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(args.agent)
+    die_with_parent(args.agent)
     sock = socket.socket(fileno=args.fd)
     t0 = time.monotonic()
     done, failed = warm_up(args.script)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                           "modules": len(done), "failed": failed}).encode())
     if hazard is not None:
         return
-    run = _Server(sock, args.agent).run()
+    run = _Server(sock).run()
     if run is not None:
         run()  # the trainer: the script as __main__; the interpreter's normal exit follows
 
