@@ -55,7 +55,7 @@ _LAZY = {  # public name -> the module that defines it (imported on first access
     "RetainedConfig": "leto_lightning.retained.config",
     "RetainedStore": "leto_lightning.retained.store",
     "RetainedOptimizer": "leto_lightning.updater.retained_optimizer",
-    "encode_tier2": "leto_lightning.updater.retained_optimizer",
+    "encode_tier2": "leto_lightning.updater.store_setup",
     "ParityCodes": "leto_lightning.updater.transaction",
     "recover_node": "leto_lightning.updater.recovery",
     "unlink_segments": "leto_lightning.retained.shm",
@@ -98,7 +98,8 @@ if TYPE_CHECKING:
     from .retained.shm import unlink_segments
     from .retained.store import RetainedStore
     from .updater.recovery import recover_node
-    from .updater.retained_optimizer import RetainedOptimizer, encode_tier2
+    from .updater.retained_optimizer import RetainedOptimizer
+    from .updater.store_setup import encode_tier2
     from .updater.transaction import ParityCodes
 
 

@@ -36,7 +36,8 @@ import leto_lightning.runtime as leto
 from leto_lightning.env import under_launcher
 from leto_lightning.models.tiny import rank_batch
 from leto_lightning.retained.config import RetainedConfig
-from leto_lightning.runtime.session import ProtectedTraining, load_checkpoint_file
+from leto_lightning.runtime.protected import ProtectedTraining
+from leto_lightning.runtime.session import load_checkpoint_file
 from leto_lightning.runtime.storage import atomic_torch_save
 
 VOCAB = 97  # odd: the embedding's and the head's rows shard unevenly

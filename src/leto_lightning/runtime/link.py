@@ -60,9 +60,9 @@ def process_start_time() -> float:
 class RuntimeLink:
     """What a protected trainer says to, and asks of, the agent (module doc)."""
 
-    def __init__(self, heartbeat_interval: float) -> None:
+    def __init__(self, heartbeat_interval: float = 1.0, session: Session | None = None) -> None:
         self.heartbeat_interval = heartbeat_interval
-        self.session: Session | None = None
+        self.session: Session | None = session  # None: this process's (connects on first use)
         self._first_done = False
         self._resume_started: float | None = None
         self._resume_iteration: int | None = None
@@ -138,13 +138,17 @@ class RuntimeLink:
             self._first_done = True
             s.report_first_done(iteration)
 
-    def alive(self, iteration: int, phase: str) -> None:
-        """Between steps (validation, checkpoints): a heartbeat at most every interval
-        (``phase``: a ``TrainerPhase`` value)."""
+    def alive(self, iteration: int, phase: TrainerPhase) -> None:
+        """Between steps (validation, checkpoints): a heartbeat at most every interval."""
         now = time.time()
         if now - self._last_beat >= self.heartbeat_interval:
-            self.connect().heartbeat(iteration, TrainerPhase(phase))
+            self.connect().heartbeat(iteration, phase)
             self._last_beat = now
+
+    def finished(self) -> None:
+        """Training is complete (a crash during interpreter exit is then no failure)."""
+        if self.session is not None:
+            self.session.mark_finished()
 
     def report_exception(self, exception: BaseException) -> None:
         s = self.connect()

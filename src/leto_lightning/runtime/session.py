@@ -22,22 +22,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..env import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ProcessSettings, ResumeMode, Role, WorkerContract
+from ..env import EVENTS, JOB_ID, ROLE, STORE_PREFIX, ResumeMode, Role, WorkerContract
 from ..errors import ConfigurationError, LetoTimeoutError, UnsafeCheckpoint, UsageError
 from ..faults.injector import FaultInjector
 from ..faults.points import point
-from ..retained.config import RetainedConfig
-from ..retained.layout import GRAD
-from ..retained.store import RetainedStore, StoreSpec
-from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2, is_fsdp2
-from ..updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, layout_for
 from .auth import CHILD_ENV
 from .checkpoints import CheckpointCommits
 from .control import SignedStore
@@ -162,94 +158,6 @@ class Session:
         retained store; shadows and cold restarts (``LETO_RESUME=retained``) attach to it."""
         return self.env.role == Role.ACTIVE and self.env.resume != ResumeMode.RETAINED
 
-    def protect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                config: RetainedConfig | None = None, start_iteration: int = 0,
-                payload: object = None, checkpoint: str | None = None) -> ProtectedTraining:
-        """Bind ``model``/``optimizer`` to retained memory; returns where to start.
-
-        A fresh job (or a restart from a checkpoint: pass the checkpoint's next iteration and
-        resume payload) creates the retained store; shadows and cold restarts attach to it.
-        A model sharded with FSDP2 (``fully_shard``) keeps its local shards there
-        (``bind_fsdp2``); FSDP2's reduce-scatter then averages the gradients. Its checkpoint
-        is a distributed checkpoint directory (``checkpoint``), loaded into the retained views.
-        """
-        t0 = time.time()
-        sharded = is_fsdp2(model)
-        if checkpoint is not None and not sharded:
-            raise UsageError(f"protect(checkpoint={checkpoint!r}) is for FSDP2 models; load a DDP model's and "
-                             "optimizer's state dicts before protect and pass start_iteration and payload")
-        if self.is_shadow and self.env.level < 3:
-            self.wait_for_promotion()
-        if self.creates_store:
-            if sharded:
-                bound = self.bind_fsdp2(model, optimizer, config, checkpoint=checkpoint, iteration=start_iteration,
-                                        payload=payload)
-                return ProtectedTraining(self, model, bound.ro, start_iteration=bound.iteration, payload=payload,
-                                         sharded=bound)
-            ro = self._create(optimizer, config or RetainedConfig(), start_iteration, payload)
-            return ProtectedTraining(self, model, ro, start_iteration=start_iteration, payload=payload)
-        fsdp2: RetainedFSDP2 | None = None
-        if sharded:
-            fsdp2 = self.bind_fsdp2(model, optimizer, config)
-            ro = fsdp2.ro
-        else:
-            self.wait_for_store()
-            ro = RetainedOptimizer(optimizer, RetainedStore.attach(self.env.job_id, self.rank),
-                                   settings=ProcessSettings.from_env())
-            ro.bind(adopt=True, resume=False)
-        self.wait_for_promotion()  # L3 shadows wait here, fully built
-        point("promotion.resume")
-        t1 = time.time()
-        payload = fsdp2.resume() if fsdp2 is not None else ro.resume()
-        self.report_resumed(ro.iteration, resume_started=t1, set_up_started=t0)
-        return ProtectedTraining(self, model, ro, start_iteration=ro.iteration, payload=payload, sharded=fsdp2)
-
-    def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   config: RetainedConfig | None = None, *, barrier: Callable[[], None] | None = None,
-                   payload_fn: Callable[[], object] | None = None, checkpoint: str | None = None,
-                   iteration: int = 0, payload: object = None) -> RetainedFSDP2:
-        """This rank's FSDP2 local shards in retained memory (``updater.fsdp2``), the agent's way.
-
-        The active trainer of a new job creates the store (bound, tier 2 encoded across the
-        node's ranks, complete; loaded from the distributed checkpoint ``checkpoint``, which
-        continues at ``iteration`` with ``payload``, if given) and tells shadows it is ready.
-        A shadow or a cold restart waits until the store is ready and binds views only: nothing
-        is written while the active trainer may still train; once promoted, call
-        ``RetainedFSDP2.resume()``. ``barrier`` (default: the session's) spans every rank.
-        """
-        e = self.env
-        barrier = barrier or self.barrier
-        if self.creates_store:
-            if checkpoint is None and (iteration or payload is not None):
-                raise UsageError(f"an FSDP2 model restarting at iteration {iteration} needs its distributed "
-                                 "checkpoint: pass checkpoint=<the directory RetainedFSDP2.save_checkpoint wrote>")
-            bound = create_fsdp2(model, optimizer, config or RetainedConfig(), job_id=e.job_id, rank=e.rank,
-                                 node=e.node, local_rank=e.local_rank, n_local=e.local_world_size, barrier=barrier,
-                                 payload_fn=payload_fn, settings=ProcessSettings.from_env())
-            if checkpoint is not None:  # before STORE_READY: no shadow attaches to a store being restored
-                bound.load_checkpoint(checkpoint, iteration=iteration, payload=payload)
-            self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
-            return bound
-        self.wait_for_store()
-        return attach_fsdp2(model, optimizer, job_id=e.job_id, rank=e.rank, barrier=barrier, payload_fn=payload_fn,
-                            resume=False, settings=ProcessSettings.from_env())
-
-    def _create(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, iteration: int,
-                payload: object) -> RetainedOptimizer:
-        e = self.env
-        config = config_for(config, optimizer)
-        config.check_devices(e.local_world_size)
-        layout = layout_for(optimizer, config)
-        spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout, config)
-        settings = ProcessSettings.from_env()
-        created = RetainedStore.create(spec, settings)
-        point("setup.segments_created")  # segments exist, not yet initialised: where OOM kills land
-        ro = RetainedOptimizer(optimizer, created, settings=settings)
-        ro.bind(adopt=False, iteration=iteration, payload=payload)
-        complete_new_store(ro.store, self.barrier)
-        self.store.set(STORE_READY.format(job=e.job_id, rank=e.rank), "1")
-        return ro
-
     def wait_for_store(self) -> None:
         """A shadow starts beside a fresh active trainer: attach once the active created it."""
         await_key(self.store, STORE_READY.format(job=self.env.job_id, rank=self.rank))
@@ -348,59 +256,6 @@ class Session:
         return None if iteration is None else load_checkpoint_file(self.checkpoint_path(iteration))
 
 
-class ProtectedTraining:
-    """The training loop's handle: iteration bookkeeping, gradient all-reduce, the step."""
-
-    def __init__(self, session: Session, model: torch.nn.Module, ro: RetainedOptimizer,
-                 start_iteration: int, payload: object, sharded: RetainedFSDP2 | None = None) -> None:
-        self.session = session
-        self.model = model
-        self.optimizer = ro
-        self.sharded = sharded  # FSDP2: the binding of the local shards (ro is its optimizer)
-        self.start_iteration = start_iteration
-        self.payload = payload
-        self._next_payload: object = None
-        self._first_done = False
-        ro.barrier = session.barrier
-        ro.payload_fn = lambda: self._next_payload
-
-    def begin(self, iteration: int) -> None:
-        if iteration != self.optimizer.iteration:
-            raise UsageError(f"iteration {iteration} begun, but retained state is at {self.optimizer.iteration}")
-        self.session.heartbeat(iteration, TrainerPhase.COMPUTE)
-        (self.sharded or self.optimizer).zero_grad()  # FSDP2: the DTensor grads point at their views again
-        point("compute.begin", iteration=iteration)
-
-    def all_reduce_grads(self) -> None:
-        """Average the retained gradients across ranks: one all-reduce per flat buffer (FSDP2:
-        nothing to do, its reduce-scatter averaged each rank's shard of them)."""
-        if self.sharded is not None or not dist.is_initialized() or self.session.world_size == 1:
-            return
-        store = self.optimizer.store
-        for seg in store.layout.segments:
-            grads = store.region_view(seg.index, GRAD)
-            dist.all_reduce(grads)
-            grads.div_(self.session.world_size)
-
-    def step(self, payload: object = None) -> None:
-        self._next_payload = payload
-        self.session.heartbeat(self.optimizer.iteration, TrainerPhase.UPDATE)
-        if self.sharded is not None:  # through the optimizer: an LR scheduler built on it sees the step
-            self.sharded.optimizer.step()
-        else:
-            self.optimizer.step()
-        self.session.heartbeat(self.optimizer.iteration - 1, TrainerPhase.DONE)
-        if not self._first_done:  # the agent closes a recovery's books on this
-            self._first_done = True
-            self.session.report_first_done(self.optimizer.iteration - 1)
-
-    def finish(self) -> None:
-        if dist.is_initialized():
-            self.session.barrier()
-            dist.destroy_process_group()
-        self.session.mark_finished()
-
-
 class _SessionFaults:
     """The session as the fault injector's ``FaultTarget`` (``faults/injector.py``): faults
     strike active trainers only; whether one fired is kept in the job's store."""
@@ -493,10 +348,14 @@ def await_key(store: SignedStore, key: str, timeout_s: float | None = None) -> N
         time.sleep(WAIT_POLL_S)
 
 
-def init() -> Session:
-    """Connect to the agent of ``leto launch``. Shadows at level 1 or 2 wait here."""
+AnySession = TypeVar("AnySession", bound=Session)
+
+
+def init(session_type: type[AnySession] = Session) -> AnySession:  # type: ignore[assignment]  # the default is the bound
+    """Connect to the agent of ``leto launch``. Shadows at level 1 or 2 wait here.
+    (``leto_lightning.runtime.init()`` is ``protected.init``: a session that can ``protect``.)"""
     env = SessionEnv.from_environ()
-    session = Session(env, connect(env))
+    session = session_type(env, connect(env))
     if session.is_shadow and env.level < 3:
         if env.level == 2 and torch.cuda.is_available():
             session.device()

@@ -19,7 +19,8 @@ from ..models.tiny import TinyLM
 from ..retained.config import RetainedConfig
 from ..retained.shm import new_job_id, unlink_segments
 from ..retained.store import RetainedStore, StoreSpec
-from ..updater.retained_optimizer import RetainedOptimizer, config_for, encode_tier2, layout_for
+from ..updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
+from ..updater.store_setup import encode_tier2, no_barrier, set_up_store
 from ..updater.transaction import ParityCodes
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -88,10 +89,17 @@ class CoreScenario:
                 config = config_for(self.config, opt)
                 layout = layout_for(opt, config, whole_state=self.rollback)
                 spec = StoreSpec(job_id, rank, 0, rank, self.n_ranks, layout, config)
-                store = RetainedStore.create(spec, ProcessSettings.from_env())
-                stores.append(store)
-                ro = RetainedOptimizer(opt, store, rollback_window=self.rollback, settings=ProcessSettings.from_env())
-                ro.bind(adopt=False)
+
+                def bind(store: RetainedStore, opt: torch.optim.Optimizer = opt) -> RetainedOptimizer:
+                    ro = RetainedOptimizer(opt, store, rollback_window=self.rollback,
+                                           settings=ProcessSettings.from_env())
+                    ro.bind(adopt=False)
+                    return ro
+
+                # every rank in this process: tier 2 from all of them below, then complete
+                ro = set_up_store(spec, bind, barrier=no_barrier, settings=ProcessSettings.from_env(),
+                                  attach_with="Job.attach_trainer", complete=False)
+                stores.append(ro.store)
                 trainers.append((model, ro))
             encode_tier2(stores, ParityCodes(stores[0]))
             for store in stores:

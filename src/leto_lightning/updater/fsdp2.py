@@ -42,12 +42,11 @@ from ..retained.torch_internals import mark_optimizer_stepped, mark_wrapped_by_l
 from .fsdp2_state import Restore, RetainedShardState, detached_copy
 from .retained_optimizer import (
     RetainedOptimizer,
-    complete_new_store,
     config_for,
-    create_node_store,
     hyperparameters,
     optimizer_family,
 )
+from .store_setup import set_up_store
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))  # [low, high): the versions whose FSDP2 internals this was tested on
 # (owner, attribute): what this module reads or re-points.
@@ -381,11 +380,12 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                           page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    store = create_node_store(spec, barrier, attach_with="attach_fsdp2", settings=settings)
-    bound = _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False,
-                        settings=settings)
-    complete_new_store(store, barrier)
-    return bound
+
+    def bind(store: RetainedStore) -> RetainedFSDP2:
+        return _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False,
+                           settings=settings)
+
+    return set_up_store(spec, bind, barrier=barrier, settings=settings, attach_with="attach_fsdp2")
 
 
 def attach_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, job_id: str, rank: int,

@@ -34,7 +34,8 @@ from ..errors import ConfigurationError, UsageError
 from ..faults.points import point
 from ..retained.layout import GRAD, PARAM, ParamSlot
 from ..retained.torch_internals import fsdp_param_sharded_data
-from .retained_optimizer import RetainedOptimizer, complete_new_store, encode_all
+from .retained_optimizer import RetainedOptimizer
+from .store_setup import complete_new_store, encode_all
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -34,6 +34,7 @@ from ..retained.layout import GRAD, PARAM, StoreLayout, build_layout
 from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.shm import new_job_id
 from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
+from .store_setup import encode_all, no_barrier, set_up_store
 from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
@@ -167,17 +168,16 @@ class RetainedOptimizer:
         config = config_for(config or RetainedConfig(), optimizer)
         layout = layout_for(optimizer, config, whole_state=bool(kwargs.get("rollback_window")))
         spec = StoreSpec(job_id or new_job_id(), rank, node, local_rank, n_local, layout, config)
-        store = RetainedStore.create(spec, settings)
-        try:
+
+        def bind(store: RetainedStore) -> RetainedOptimizer:
             ro = cls(optimizer, store, settings=settings, **kwargs)
             ro.bind(adopt=False)
-            if not spec.tier2.enabled:  # else: complete once the node's tier 2 is encoded (encode_tier2)
-                store.mark_complete()
-        except BaseException:
-            store.unlink()  # nothing else will ever attach to it
-            store.close()
-            raise
-        return ro
+            return ro
+
+        # tier 2 spans the node's ranks: completed by the caller once encoded (encode_tier2)
+        return set_up_store(spec, bind, barrier=no_barrier, settings=settings,
+                            attach_with="RetainedStore.attach", complete=not spec.tier2.enabled,
+                            unlink_on_error=True)
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, adopt: bool, resume: bool = True, iteration: int = 0, payload: object = None) -> None:
@@ -421,91 +421,3 @@ def zero_in_place(t: torch.Tensor) -> None:
         ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
     else:
         t.zero_()
-
-
-def encode_all(store: RetainedStore, codes: ParityCodes) -> None:
-    """Checksum every page, encode all tier-1 parity from scratch and checksum and mirror all
-    metadata (a new store). Withdraws the completion mark: the creator writes it again once
-    tier 2 is encoded too (``RetainedStore.mark_complete``)."""
-    from ..retained.integrity import Metadata
-    from .device_pages import DevicePages
-
-    store.clear_complete()
-    lay, plan = store.layout, store.spec.tier1
-    if store.hashes_on_device:  # parity and checksums computed where the pages are, chunk by chunk
-        device = DevicePages(store, codes.tier1)
-        for chunk in range(lay.n_chunks):
-            updated = lay.chunk_pages_updated(chunk)
-            store.crcs[updated] = torch.from_numpy(device.refresh(updated))
-        for seg in lay.segments:
-            if GRAD in seg.kinds:
-                r = lay.region(seg.index, GRAD)
-                store.crcs[r.first_page : r.first_page + r.n_pages] = torch.from_numpy(
-                    device.refresh_run(r.first_page, r.first_page + r.n_pages, plan.data_pages))
-    else:
-        store.crcs[:] = torch.tensor(store.page_checksums(range(lay.n_pages)), dtype=torch.int64)
-        if codes.tier1 is not None:
-            for g, members in enumerate(plan.groups):
-                codes.tier1.encode([store.pages[p] for p in members], list(store.parity1[g]))
-    Metadata(store).seal_all()
-
-
-def encode_tier2(stores: Sequence[RetainedStore], codes: ParityCodes) -> None:
-    """Encode the node's tier-2 stripes from every local rank's pages (after all are bound).
-    The last step of set-up: each rank then calls ``store.mark_complete()``."""
-    if codes.tier2 is None:
-        return
-    first = stores[0]
-    for p, s in enumerate(first.spec.tier2.page_stripe):
-        if s >= 0:
-            codes.tier2.encode([st.pages[p] for st in stores], first.tier2_parity(int(s)))
-
-
-def create_node_store(spec: StoreSpec, barrier: Callable[[], None] | None, attach_with: str,
-                      settings: ProcessSettings | None = None) -> RetainedStore:
-    """This rank's new store for ``spec`` (``RetainedStore.create(spec, settings)``), refused
-    before any segment exists when tier 2 would need a ``barrier`` it lacks or the store exists
-    already (``attach_with`` names the call that continues from it)."""
-    if spec.tier2.enabled and barrier is None:
-        raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
-    try:
-        return RetainedStore.create(spec, settings)
-    except FileExistsError:
-        raise UsageError(f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: attach to it "
-                         f"({attach_with}), or free it (`leto cleanup`) to start over") from None
-
-
-def encode_node_tier2(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
-    """Tier 2 spans the node's ranks: once every local rank's pages hold their values (all
-    bound), local rank 0 encodes the stripes from all of them; each rank keeps them current by
-    deltas afterwards. Every local rank calls this; ``barrier`` spans the node's ranks."""
-    spec = store.spec
-    if not spec.tier2.enabled:
-        return
-    if barrier is None:
-        if spec.n_local > 1:
-            raise UsageError(f"tier 2 across {spec.n_local} local ranks needs a barrier over the node's ranks")
-        barrier = _no_barrier
-    barrier()
-    if spec.local_rank == 0:
-        first = spec.rank - spec.local_rank
-        peers = [RetainedStore.attach(spec.job_id, first + i) for i in range(1, spec.n_local)]
-        try:
-            encode_tier2([store, *peers], ParityCodes(store))
-        finally:
-            for peer in peers:
-                peer.close()
-    barrier()
-
-
-def complete_new_store(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
-    """The last step of every new store's set-up, whoever creates it (plain PyTorch, the
-    Lightning strategies, LetoAccelerator, FSDP2, ZeRO-1, a reload): once its views are bound
-    and its tier-1 parity encoded, tier 2 across the node's ranks, then the completion mark --
-    from here on recovery may trust it. Every local rank calls it; ``barrier`` spans them."""
-    encode_node_tier2(store, barrier)
-    store.mark_complete()
-
-
-def _no_barrier() -> None:
-    """One local rank: nothing to wait for."""

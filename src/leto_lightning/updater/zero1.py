@@ -43,12 +43,11 @@ from ..retained.store import RetainedStore, StoreSpec
 from ..retained.torch_internals import zero_overlaps_with_ddp
 from .retained_optimizer import (
     RetainedOptimizer,
-    complete_new_store,
     config_for,
-    create_node_store,
     hyperparameters,
     optimizer_family,
 )
+from .store_setup import set_up_store
 
 __all__ = ["Partition", "RetainedZeRO1", "attach_zero1", "check_zero1", "create_zero1", "partition",
            "zero1_layout"]
@@ -193,11 +192,13 @@ def create_zero1(zero: ZeroRedundancyOptimizer, config: RetainedConfig, *, job_i
     layout = zero1_layout(zero, split, config)
     rank = dist.get_global_rank(zero.process_group, zero.rank)
     spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
-    store = create_node_store(spec, barrier, attach_with="attach_zero1", settings=settings)
-    bound = RetainedZeRO1(zero, store, split, barrier, payload_fn, settings=settings)
-    bound.bind(adopt=False)
-    complete_new_store(store, barrier)
-    return bound
+
+    def bind(store: RetainedStore) -> RetainedZeRO1:
+        bound = RetainedZeRO1(zero, store, split, barrier, payload_fn, settings=settings)
+        bound.bind(adopt=False)
+        return bound
+
+    return set_up_store(spec, bind, barrier=barrier, settings=settings, attach_with="attach_zero1")
 
 
 def attach_zero1(zero: ZeroRedundancyOptimizer, *, job_id: str, barrier: Callable[[], None] | None = None,

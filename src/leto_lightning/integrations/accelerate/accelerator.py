@@ -51,15 +51,13 @@ from typing_extensions import override
 from ...env import NODE_RANK, under_launcher
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
-from ...retained.torch_internals import mark_optimizer_stepped
 from ...runtime import per_rank
+from ...runtime.engine import RankPlace, TrainerEngine
 from ...runtime.link import RuntimeLink
 from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer
 from . import checkpoint, fallback, fsdp2, zero1
-from .binding import agreed_job_id, param_names
-from .binding import attach as attach_store
-from .binding import create as create_store
+from .binding import agreed_job_id, bind_replicated, param_names
 from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
 from .config import LetoConfig
 from .internals import is_accelerate_prepared, prepared_models, prepared_optimizers, register_optimizer
@@ -97,9 +95,8 @@ class LetoAccelerator(Accelerator):
         self.leto_config = config
         self.leto_options = config.runtime_options()
         self.retained_config = config.retained_config()
-        self.runtime: RuntimeLink | None = RuntimeLink(config.heartbeat_interval) if under_launcher() else None
-        self.retained: RetainedOptimizer | None = None
-        self.leto_fsdp2: RetainedFSDP2 | None = None  # the FSDP2 binding of the local shards (fsdp2.py)
+        # the trainer-side engine: binding, step protocol, the link to the agent under a Leto launcher
+        self.engine = TrainerEngine(RuntimeLink(config.heartbeat_interval) if under_launcher() else None)
         self.leto_optimizer: LetoAcceleratedOptimizer | None = None
         self._leto_shown: ShownState | None = None  # optimizer state shown as torch's (shown_state.py)
         self._leto_release: multiprocessing.util.Finalize | None = None  # frees the store without an agent
@@ -128,6 +125,21 @@ class LetoAccelerator(Accelerator):
         if fsdp_plugin is not None:
             fsdp2.fsdp2_on_cpu(self, fsdp_plugin)  # what Accelerate does on GPUs (fsdp2.py)
         check_distributed(self)
+
+    @property
+    def runtime(self) -> RuntimeLink | None:
+        """The link to the agent under a Leto launcher (the engine's), else None."""
+        return self.engine.link
+
+    @property
+    def retained(self) -> RetainedOptimizer | None:
+        """This rank's retained binding (the engine's), None before ``prepare()`` binds it."""
+        return self.engine.bound
+
+    @property
+    def leto_fsdp2(self) -> RetainedFSDP2 | None:
+        """FSDP2: the binding of the local shards (``fsdp2.py``; ``retained`` is its optimizer)."""
+        return self.engine.sharded
 
     def _connect(self, world: int, handlers: Any) -> None:
         """Under ``leto launch``: the session first (L1/L2 shadows wait here), then the process
@@ -219,23 +231,26 @@ class LetoAccelerator(Accelerator):
 
     def _bind_now(self, prepared: LetoAcceleratedOptimizer) -> None:
         job = self.leto_options.resolved_job_id() or agreed_job_id(self.num_processes)
-        continuing = (self.runtime is not None and self.runtime.resumes) or self.leto_options.resume_requested()
+        continuing = self.engine.continues(self.leto_options.resume_requested())
         self.leto_state.bound(continuing)
-        if continuing and self.runtime is not None:
-            self.runtime.wait_for_store()  # a shadow starts beside the active that creates it
-        ro = self._bind_fsdp2(prepared, job, continuing) if self.is_fsdp2 else self._bind(prepared, job, continuing)
+        if self.is_fsdp2:
+            (model,) = prepared_models(self)  # Accelerate's FSDP2 prepares exactly one model
+            fsdp2.bind(self.engine, model, prepared.optimizer, self.retained_config, job, self._place(), continuing,
+                       self._barrier(), _weak(self._payload))
+        else:
+            self._bind(prepared, job, continuing)
+            prepared.optimizer.zero_grad = self.engine.bound.zero_grad  # type: ignore[union-attr]  # in place: gradients stay retained views
+        ro = self.engine.bound
+        assert ro is not None
         if continuing:
-            if self.runtime is not None:
-                self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
-            self._leto_payload = self.leto_fsdp2.resume() if self.leto_fsdp2 is not None else ro.resume()
+            self._leto_payload = self.engine.resume()  # a level-3 shadow waits here, fully built
         elif self.runtime is not None:
-            self.runtime.store_ready()  # shadows may attach now
             if fallback.starting_fresh():
                 fallback.forget(self.runtime.run_dir, self.process_index)
         else:  # no agent will free it: deleting the accelerator or the process exiting does
-            self._leto_release = multiprocessing.util.Finalize(self, _free, args=(ro,), exitpriority=0)
+            self._leto_release = multiprocessing.util.Finalize(self, _free, args=(self.engine,), exitpriority=0)
         prepared.bind_step(_weak(self._retained_step))
-        self.retained, self.leto_optimizer = ro, prepared
+        self.leto_optimizer = prepared
         if shows_torch_state(ro) and self.leto_fsdp2 is None:
             self._leto_shown = ShownState(ro)
             self._leto_shown.refresh()
@@ -243,43 +258,28 @@ class LetoAccelerator(Accelerator):
     def _payload(self) -> dict:
         return capture(self, PREPARE, self._train_loader)
 
-    def _bind(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
-        """DDP (or one process): the full parameters and their optimizer state (binding.py)."""
+    def _bind(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> None:
+        """DDP (or one process): the full parameters and their optimizer state (binding.py);
+        ZeRO-1: the params this rank owns (zero1.py)."""
         rollback, barrier = self.leto_config.rollback_window, self._barrier()
-        if zero1.is_zero1(prepared.optimizer):  # ZeRO-1: the params this rank owns (zero1.py)
-            ro: RetainedOptimizer = zero1.bind(prepared.optimizer, self.retained_config, job, self._ranks(),
-                                               continuing, barrier, _weak(self._payload),
-                                               param_names(prepared_models(self)),
-                                               under_launcher=self.runtime is not None, rollback_window=rollback)
-        elif continuing:
-            ro = attach_store(prepared.optimizer, job, self.process_index, barrier, _weak(self._payload), rollback)
+        names = param_names(prepared_models(self))
+        if zero1.is_zero1(prepared.optimizer):
+            owned = zero1.bind(prepared.optimizer, self.retained_config, job, self._place(), continuing, barrier,
+                               _weak(self._payload), names, under_launcher=self.runtime is not None,
+                               rollback_window=rollback)
+            self.engine.adopt(owned, continuing)
         else:
-            ro = create_store(prepared.optimizer, self.retained_config, job, self._ranks(),
-                              param_names(prepared_models(self)), barrier, _weak(self._payload), rollback)
-        prepared.optimizer.zero_grad = ro.zero_grad  # in place: gradients stay retained views
-        return ro
+            bind_replicated(self.engine, prepared.optimizer, self.retained_config, job, self._place(), names, barrier,
+                            _weak(self._payload), rollback, continuing)
 
-    def _bind_fsdp2(self, prepared: LetoAcceleratedOptimizer, job: str, continuing: bool) -> RetainedOptimizer:
-        """FSDP2: this rank's local shards through the core binding (fsdp2.py); the torch
-        optimizer's ``zero_grad`` becomes the binding's, which keeps DTensor gradients views."""
-        (model,) = prepared_models(self)  # Accelerate's FSDP2 prepares exactly one model
-        self.leto_fsdp2 = fsdp2.bind(model, prepared.optimizer, self.retained_config, job, self._ranks(), continuing,
-                                     self._barrier(), _weak(self._payload))
-        return self.leto_fsdp2.ro
-
-    def _ranks(self) -> dict[str, int]:
+    def _place(self) -> RankPlace:
         env = os.environ
-        return {"rank": self.process_index, "local_rank": self.local_process_index,
-                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", str(self.num_processes))),
-                "node": int(env.get("GROUP_RANK", env.get(NODE_RANK, "0")))}
+        return RankPlace(self.process_index, int(env.get("GROUP_RANK", env.get(NODE_RANK, "0"))),
+                         self.local_process_index, int(env.get("LOCAL_WORLD_SIZE", str(self.num_processes))))
 
     def _barrier(self) -> Callable[[], None] | None:
         """No chunk of an iteration commits before every rank prepared it."""
-        if self.runtime is not None:
-            return self.runtime.barrier
-        if self.num_processes <= 1:
-            return None
-        return lambda: torch.distributed.barrier()
+        return self.engine.prepare_barrier(self.num_processes)
 
     # -- the step and the batches -------------------------------------------------------------
     def _retained_step(self, closure: Callable | None) -> Any:
@@ -293,17 +293,11 @@ class LetoAccelerator(Accelerator):
                 "dispatch_batches=True), the default for an IterableDataset), which cannot be put back at a position "
                 "after a recovery -- train from a map-style Dataset or with dispatch_batches=False (evaluating or "
                 "loading data with it is fine)")
-        link = self.runtime
-        if link is not None:
-            link.update_start(ro.iteration)
         self._train_loader = self._last_loader
-        loss = self.leto_fsdp2.step(closure) if self.leto_fsdp2 is not None else ro.step(closure)
+        loss = self.engine.step(closure, self.leto_fsdp2.step if self.leto_fsdp2 is not None else ro.step)
         if self._leto_shown is not None:
             self._leto_shown.after_step()
-        mark_optimizer_stepped(ro.optimizer)  # what the LR scheduler's step wrapper sets
         self.leto_state.stepped()
-        if link is not None:
-            link.step_done(ro.iteration - 1)
         point("accelerate.after_step", iteration=ro.iteration - 1)
         return loss
 
@@ -319,10 +313,7 @@ class LetoAccelerator(Accelerator):
         self._last_loader = loader
         if loader is self._train_loader:
             self.leto_recovery_log.log_new(self, ro.iteration)
-        if self.runtime is not None:
-            self.runtime.batch_start(ro.iteration)
-        else:
-            point("compute.begin", iteration=ro.iteration)
+        self.engine.batch_start()
 
     def _record(self, payload: dict) -> None:
         """The resume payload of the last committed iteration, replaced (exact mode: sealed)."""
@@ -358,8 +349,7 @@ class LetoAccelerator(Accelerator):
         payload = self._leto_payload
         self._leto_point = restore(self, payload) if payload is not None else None
         self.leto_recoveries = (payload or {}).get("recoveries", 0) + (0 if self._leto_from_checkpoint else 1)
-        if self.runtime is not None and self.runtime.resume_pending:
-            self.runtime.resumed(self.retained.iteration)
+        self.engine.resumed()
         if self.trackers and self.is_main_process:
             self.log({"leto/recoveries": self.leto_recoveries, "leto/resume_step": self.retained.iteration},
                      step=self.retained.iteration)
@@ -429,28 +419,27 @@ class LetoAccelerator(Accelerator):
         if ro is not None:
             self.leto_recovery_log.finish(self, ro.iteration)
         super().end_training()
-        if self.runtime is not None and self.runtime.session is not None:
-            self.runtime.session.mark_finished()  # a crash during interpreter exit is no failure
+        if self.runtime is not None:
+            self.engine.finished()  # a crash during interpreter exit is no failure
         elif ro is not None:
             if self._leto_release is not None:
                 self._leto_release()  # runs _free once, and never again at exit
             else:  # continued from retained memory without an agent (LETO_RESUME=retained): freed here only
-                _free(ro)
-            self.retained = None
+                _free(self.engine)
             self.leto_state.unbound()
 
 
-def _free(ro: RetainedOptimizer) -> None:
+def _free(engine: TrainerEngine) -> None:
     """Free a store nothing else will attach to (no agent): unlink, and unmap once nothing views
-    it (the model's parameters stay valid memory while they live: ``SharedSegment.close``).
+    it (the model's parameters stay valid memory while they live: ``SharedSegment.close``); the
+    engine, not the accelerator, is what the finalizer holds (no reference back to it).
 
     Run by a ``multiprocessing.util.Finalize`` -- not ``atexit``/``weakref.finalize``: a child of
     ``multiprocessing`` (Accelerate's ``debug_launcher`` and ``notebook_launcher`` fork through
     it) ends with ``os._exit`` after running these finalizers, never ``atexit``; the main process
     runs them at exit too. A finalizer only runs in the process that registered it (a forked
     child neither runs nor inherits its parent's)."""
-    ro.store.unlink()
-    ro.store.close()
+    engine.release(unlink=True)
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,44 +25,32 @@ from typing import Any
 import torch
 
 from ...env import ProcessSettings, job_prefix
-from ...errors import UsageError
 from ...retained.config import RetainedConfig
 from ...retained.shm import new_job_id
 from ...retained.store import RetainedStore, StoreSpec
-from ...updater.retained_optimizer import RetainedOptimizer, complete_new_store, config_for, layout_for
+from ...runtime.engine import RankPlace, TrainerEngine
+from ...updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
 
 
-def create(optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str, ranks: dict[str, int],
-           names: dict, barrier: Callable[[], None] | None, payload_fn: Callable[[], Any],
-           rollback_window: bool) -> RetainedOptimizer:
-    """A new store for this rank, bound, encoded (tier 2 too) and marked complete."""
+def bind_replicated(engine: TrainerEngine, optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str,
+                    place: RankPlace, names: dict, barrier: Callable[[], None] | None,
+                    payload_fn: Callable[[], Any], rollback_window: bool, continuing: bool) -> RetainedOptimizer:
+    """This rank's store through the engine: a new one (bound, encoded -- tier 2 too -- and
+    marked complete), or, continuing, the existing one's views (``resume()`` once promoted)."""
+
+    def bind(store: RetainedStore) -> RetainedOptimizer:
+        ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
+                               settings=ProcessSettings.from_env())
+        ro.bind(adopt=continuing, resume=False)
+        return ro
+
+    if continuing:
+        return engine.attach(job_id, place.rank, bind)
     config = config_for(config, optimizer)
-    config.check_devices(ranks["local_world_size"])
+    config.check_devices(place.local_world_size)
     layout = layout_for(optimizer, config, names, whole_state=rollback_window)
-    spec = StoreSpec(job_id, ranks["rank"], ranks["node"], ranks["local_rank"], ranks["local_world_size"], layout,
-                     config)
-    try:
-        store = RetainedStore.create(spec, ProcessSettings.from_env())
-    except FileExistsError:
-        raise UsageError(
-            f"retained memory of job {job_id!r} rank {ranks['rank']} already exists: continue from it with "
-            f"LETO_RESUME=retained, or free it with `leto cleanup` (or leto_lightning.retained.shm.unlink_segments("
-            f"{job_id!r})) to start over") from None
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
-                           settings=ProcessSettings.from_env())
-    ro.bind(adopt=False)
-    complete_new_store(store, barrier)
-    return ro
-
-
-def attach(optimizer: torch.optim.Optimizer, job_id: str, rank: int, barrier: Callable[[], None] | None,
-           payload_fn: Callable[[], Any], rollback_window: bool) -> RetainedOptimizer:
-    """This rank's existing store, views bound (``resume()`` once promoted)."""
-    store = RetainedStore.attach(job_id, rank)
-    ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
-                           settings=ProcessSettings.from_env())
-    ro.bind(adopt=True, resume=False)
-    return ro
+    spec = StoreSpec(job_id, place.rank, place.node, place.local_rank, place.local_world_size, layout, config)
+    return engine.create(spec, bind, barrier=barrier, attach_with="LETO_RESUME=retained")
 
 
 def agreed_job_id(world_size: int) -> str:

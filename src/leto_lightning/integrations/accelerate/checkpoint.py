@@ -64,7 +64,7 @@ from accelerate.utils import MODEL_NAME, SAFE_MODEL_NAME
 from ...errors import ConfigurationError
 from ...retained.torch_internals import copy_state_dict_metadata
 from ...runtime.session import load_checkpoint_file
-from ...updater.retained_optimizer import complete_new_store
+from ...updater.store_setup import complete_new_store
 from .payload import ResumableAccelerator, capture
 
 log = logging.getLogger(__name__)

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ...env import ProcessSettings
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
-from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
+from ...runtime.engine import RankPlace, TrainerEngine
+from ...updater.fsdp2 import RetainedFSDP2
 from .internals import set_shared_distributed_type
 
 WHO = "LetoAccelerator"
@@ -100,8 +100,8 @@ def fsdp2_on_cpu(accelerator: Any, plugin: Any) -> None:
     set_shared_distributed_type(DistributedType.FSDP)  # as AcceleratorState.__init__ ends
 
 
-def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str,
-         ranks: Mapping[str, int], continuing: bool, barrier: Callable[[], None] | None,
+def bind(engine: TrainerEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig,
+         job_id: str, place: RankPlace, continuing: bool, barrier: Callable[[], None] | None,
          payload_fn: Callable[[], object]) -> RetainedFSDP2:
     """The FSDP2-prepared model's local shards bound to this rank's store: a new store, or (a
     continuation) the existing one's views, its values taken by ``RetainedFSDP2.resume()``.
@@ -110,13 +110,8 @@ def bind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Retai
     ``LetoAcceleratedOptimizer`` calls the binding's step itself, as for DDP, and a scheduler
     whose wrapper was replaced warns at every step."""
     wrapped = optimizer.__dict__.get("step")
-    if continuing:
-        bound = attach_fsdp2(model, optimizer, job_id=job_id, rank=ranks["rank"], barrier=barrier,
-                             payload_fn=payload_fn, resume=False, settings=ProcessSettings.from_env())
-    else:
-        bound = create_fsdp2(model, optimizer, config, job_id=job_id, rank=ranks["rank"], node=ranks["node"],
-                             local_rank=ranks["local_rank"], n_local=ranks["local_world_size"], barrier=barrier,
-                             payload_fn=payload_fn, settings=ProcessSettings.from_env())
+    bound = engine.bind_fsdp2(model, optimizer, config, job_id=job_id, place=place, barrier=barrier,
+                              payload_fn=payload_fn, continuing=continuing)
     if wrapped is not None:
         optimizer.step = wrapped  # type: ignore[method-assign]
     else:

@@ -20,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ...env import ProcessSettings
 from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
+from ...runtime.engine import RankPlace
 from ...updater.zero1 import RetainedZeRO1, attach_zero1, create_zero1
 
 
@@ -27,7 +28,7 @@ def is_zero1(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def bind(zero: ZeroRedundancyOptimizer, config: RetainedConfig, job: str, ranks: dict[str, int], continuing: bool,
+def bind(zero: ZeroRedundancyOptimizer, config: RetainedConfig, job: str, place: RankPlace, continuing: bool,
          barrier: Callable[[], None] | None, payload_fn: Callable[[], Any], names: dict, *,
          under_launcher: bool, rollback_window: bool) -> RetainedZeRO1:
     """A new store (fresh start) or this rank's existing one, views only until ``resume()``."""
@@ -43,6 +44,6 @@ def bind(zero: ZeroRedundancyOptimizer, config: RetainedConfig, job: str, ranks:
         # replicas come from their owners now, before the first forward.
         return attach_zero1(zero, job_id=job, barrier=barrier, payload_fn=payload_fn, names=names, resume=False,
                             settings=ProcessSettings.from_env())
-    return create_zero1(zero, config, job_id=job, local_rank=ranks["local_rank"], n_local=ranks["local_world_size"],
-                        node=ranks["node"], barrier=barrier, payload_fn=payload_fn, names=names,
+    return create_zero1(zero, config, job_id=job, local_rank=place.local_rank, n_local=place.local_world_size,
+                        node=place.node, barrier=barrier, payload_fn=payload_fn, names=names,
                         settings=ProcessSettings.from_env())

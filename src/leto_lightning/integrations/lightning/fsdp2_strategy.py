@@ -27,7 +27,6 @@ with Leto: that combination is refused, this strategy is FSDP2 only.
 from __future__ import annotations
 
 import shutil
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,59 +37,23 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from ...env import ProcessSettings
-from ...errors import ConfigurationError, UsageError
+from ...errors import ConfigurationError
 from ...retained.config import RetainedConfig
-from ...runtime.link import RuntimeLink
+from ...runtime.engine import RankPlace
 from ...runtime.storage import replace_dir
-from ...updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
-from ...updater.retained_optimizer import RetainedOptimizer
-from .callback import LetoLoopStateCallback
-from .checks import check_sharded_model, check_sharded_trainer, the_optimizer
-from .data import ResumableDataLoader
-from .fit_hooks import (
-    agreed_new_job_id,
-    begin_fit,
-    check_retained_resume,
-    checkpoint_saved,
-    fault_point,
-    file_payload,
-    init_session_group,
-    install_loop_state,
-    leto_settings,
-    payload_checkpoint,
-    payload_fn,
-    prepare_barrier,
-    prepare_logs,
-    record_payload,
-    release,
-    resume_can_follow,
-    retained_step,
-    train_batch_start,
-    train_end,
-    train_start,
-    wrap_train_loader,
-)
-from .fit_state import FitMode, FitState
+from ...updater.fsdp2 import RetainedFSDP2
+from .checks import check_sharded_model, check_sharded_trainer
+from .fit_hooks import LetoFitHooks, file_payload, leto_settings
 from .frozen import FrozenPayload
-from .internals import (
-    attached_trainer,
-    saves_distributed_checkpoint,
-    set_launcher,
-    set_process_group_backend,
-    shard_every_rank,
-)
-from .launcher import LetoLauncher, check_launch
-from .logs import LogKeeper
+from .internals import saves_distributed_checkpoint, shard_every_rank
 from .options import RETAINED_CKPT
-from .proxy import proxy_for, real_optimizer
+from .proxy import proxy_for
 from .resume import apply_param_groups
-from .versions import check_lightning
 
 FSDP2_STRATEGY_NAME = "leto_fsdp2"
 
 
-class LetoModelParallelStrategy(ModelParallelStrategy):
+class LetoModelParallelStrategy(LetoFitHooks, ModelParallelStrategy):
     """FSDP2 with retained local shards and crash-consistent updates (module doc).
 
     Takes ``LetoStrategy``'s options (``retained=RetainedConfig(...)`` or its fields one by
@@ -101,68 +64,26 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
     """
 
     strategy_name = FSDP2_STRATEGY_NAME
+    leto_description = "Leto: FSDP2 (fully_shard) with retained local shards"
 
     def __init__(self, *, retained: RetainedConfig | None = None, job_id: str | None = None,
                  resume: str | None = None, shadow_level: int | str = 3, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 60.0, keep_retained: bool = False, **kwargs: Any) -> None:
-        check_lightning()
         settings = leto_settings(kwargs, retained, job_id, resume, shadow_level, heartbeat_interval,
                                  heartbeat_timeout)
-        self.retained_config, self.leto_options = settings.retained, settings.options
-        cluster_environment = kwargs.pop("cluster_environment", None)
+        cluster_environment = kwargs.pop("cluster_environment", None)  # ModelParallelStrategy takes none
         if kwargs.get("tensor_parallel_size", 1) not in (1, "auto"):
             raise ConfigurationError(f"tensor_parallel_size={kwargs['tensor_parallel_size']!r}: {type(self).__name__} "
                                      "retains FSDP2 shards on a 1-D data-parallel mesh; leave tensor_parallel_size=1")
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
         self.cluster_environment = cluster_environment
-        self.runtime: RuntimeLink | None = settings.runtime
-        self.logs = LogKeeper()
-        self.loop_state = LetoLoopStateCallback()
-        self.loop_state.attach(self)
-        self.retained: RetainedOptimizer | None = None
-        self.sharded: RetainedFSDP2 | None = None  # the binding of the local shards (retained is its optimizer)
-        self.keep_retained = keep_retained
-        self.job_id: str | None = None
-        self.fit_state = FitState()
-        self.env_resume_used = False
-        self.resume_payload: Any = None
-        self.resumed_from: dict | None = None
-        self.train_loaders: weakref.WeakSet[ResumableDataLoader] = weakref.WeakSet()
-        self._proxy: torch.optim.Optimizer | None = None
-
-    @override
-    def __getstate__(self) -> dict[str, Any]:
-        """A pickled copy is detached, as ``LetoStrategy``'s: no retained memory travels."""
-        return dict(self.__dict__, retained=None, sharded=None, _proxy=None, runtime=None, train_loaders=None,
-                    fit_state=self.fit_state.detached())
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.train_loaders = weakref.WeakSet()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        entry = dict.get(strategy_registry, FSDP2_STRATEGY_NAME)  # the registry's own get() instantiates
-        if entry is None or getattr(entry["strategy"], "leto_factory", False):  # or the package's import-time one
-            strategy_registry.register(FSDP2_STRATEGY_NAME, cls, override=True,
-                                       description="Leto: FSDP2 (fully_shard) with retained local shards")
+        self._leto_state(settings, keep_retained)
 
     @property
-    def module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        if module is None:
-            raise UsageError(f"{type(self).__name__}: no LightningModule is connected (this runs inside trainer.fit())")
-        return module
-
-    @property
-    def retained_active(self) -> bool:
-        return self.retained is not None
-
-    @property
-    def committed_any(self) -> bool:
-        return self.retained is not None and self.retained.iteration > 0
+    def sharded(self) -> RetainedFSDP2 | None:
+        """The binding of the local shards (the engine's; ``retained`` is its optimizer)."""
+        return self.engine.sharded
 
     @property
     @override
@@ -172,33 +93,20 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
         return self.fit_state.mode.from_retained_memory or self.resume_payload is not None
 
     @override
-    def _configure_launcher(self) -> None:
-        check_launch(self)  # Leto never spawns ranks; say how to start them
-        set_launcher(self, LetoLauncher(self))
-
-    # -- environment -------------------------------------------------------------------------
-    @override
     def setup_environment(self) -> None:
-        if self.runtime is not None:
-            self.runtime.connect()  # shadows at level 1/2 wait here until promoted
         shard_every_rank(self)
         super().setup_environment()
-        prepare_logs(self)
 
     @override
     def _setup_distributed(self) -> None:
-        if self.runtime is None:
-            super()._setup_distributed()
-            return
-        set_process_group_backend(self)
-        init_session_group(self, self.runtime)
+        self._session_group_or(super()._setup_distributed)
 
     # -- setup -------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             check_sharded_trainer(self, trainer)
-            install_loop_state(self, trainer)
+            self._install_loop_state(trainer)
         assert self.model is not None
         check_sharded_model(self.model, type(self).__name__)
         super().setup(trainer)
@@ -211,79 +119,25 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
 
     def _bind_retained(self, trainer: pl.Trainer) -> None:
         """This rank's local shards into retained memory; a shadow waits for its promotion here."""
-        optimizer = the_optimizer(self, trainer)
         if not self.module.automatic_optimization:
             raise ConfigurationError(f"{type(self).__name__}: manual optimization is not supported with retained "
                                      "FSDP2 shards yet; use automatic optimization or strategy='leto' (DDP)")
-        if self.fit_state.mode is FitMode.NONE:  # a fit the launcher did not see
-            self.fit_state.begin(FitMode.FRESH)
-        self.job_id = self.leto_options.resolved_job_id() or self.job_id or agreed_new_job_id(self)
+        optimizer = self._begin_binding(trainer)
+        assert self.model is not None and self.job_id is not None
         shown = [list(group["params"]) for group in optimizer.param_groups]  # the DTensor params, for clipping
-        bound = self._bind(optimizer, payload_fn(self, trainer))
-        self.sharded, self.retained = bound, bound.ro
-        mode = self.fit_state.mode
-        if mode is FitMode.SHADOW:
-            assert self.runtime is not None  # SHADOW: under leto launch
-            self.runtime.wait_for_promotion()  # a level-3 shadow waits here, fully built
-        if mode.from_retained_memory:
-            self.resume_payload = bound.resume()
+        place = RankPlace(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
+        bound = self.engine.bind_fsdp2(self.model, optimizer, self.retained_config, job_id=self.job_id, place=place,
+                                       barrier=self._prepare_barrier(), payload_fn=self._payload_fn(trainer),
+                                       continuing=self.fit_state.mode.from_retained_memory)
+        if self.fit_state.mode.from_retained_memory:
+            self.resume_payload = self.engine.resume()  # a level-3 shadow waits here, fully built
         self.logs.continue_from(trainer, self.resume_payload)
         self._proxy = proxy_for(optimizer, self._retained_step, shown)
+        assert bound is self.sharded
 
-    def _bind(self, optimizer: torch.optim.Optimizer, payload: Callable[[], object]) -> RetainedFSDP2:
-        assert self.model is not None and self.job_id is not None
-        barrier = prepare_barrier(self)
-        if self.runtime is not None:  # the session creates, or (a shadow, a cold restart) attaches views only
-            return self.runtime.connect().bind_fsdp2(self.model, optimizer, self.retained_config, barrier=barrier,
-                                                     payload_fn=payload)
-        if self.fit_state.mode.from_retained_memory:
-            return attach_fsdp2(self.model, optimizer, job_id=self.job_id, rank=self.global_rank, barrier=barrier,
-                                payload_fn=payload, resume=False, settings=ProcessSettings.from_env())
-        self.retained_config.check_devices(self.num_processes)
-        return create_fsdp2(self.model, optimizer, self.retained_config, job_id=self.job_id, rank=self.global_rank,
-                            node=self.node_rank, local_rank=self.local_rank, n_local=self.num_processes,
-                            barrier=barrier, payload_fn=payload, settings=ProcessSettings.from_env())
-
-    # -- the step ----------------------------------------------------------------------------
-    @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
-                       model: Any = None, **kwargs: Any) -> Any:
-        ro = self.retained
-        if ro is None or real_optimizer(optimizer) is not ro.optimizer:
-            raise UsageError(f"{type(self).__name__}: this optimizer is not bound to retained memory (created "
-                             "outside configure_optimizers?); it would train without protection")
-        assert self._proxy is not None
-        return super().optimizer_step(self._proxy, closure, model, **kwargs)
-
-    def _retained_step(self, closure: Callable | None) -> Any:
+    def _binding_step(self, closure: Callable | None) -> Any:
         assert self.sharded is not None
-        return retained_step(self, closure, self.sharded.step)
-
-    def record_payload(self, payload: Any) -> None:
-        record_payload(self, payload)
-
-    # -- hooks ---------------------------------------------------------------------------------
-    @override
-    def on_train_start(self) -> None:
-        resumed, self.resumed_from = self.resumed_from or {}, None
-        train_start(self, resumed)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        train_batch_start(self, batch_idx)
-
-    @override
-    def on_train_end(self) -> None:
-        train_end(self)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self.runtime is not None:
-            self.runtime.report_exception(exception)
-        super().on_exception(exception)
-
-    def fault_point(self, name: str, phase: str) -> None:
-        fault_point(self, name, phase)
+        return self.sharded.step(closure)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -305,18 +159,13 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
             if self.is_global_zero:
                 replace_dir(staged, path)
             self.barrier("leto-ckpt-placed")
-        checkpoint_saved(self, checkpoint, self.is_global_zero)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return wrap_train_loader(self, super().process_dataloader(dataloader))
+        self._checkpoint_saved(checkpoint)
 
     # -- resume --------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if str(checkpoint_path) == RETAINED_CKPT:
-            check_retained_resume(self)
-            return payload_checkpoint(self)
+            return self._retained_checkpoint()
         if self.sharded is None or str(checkpoint_path) != str(self.fit_state.ckpt_file):
             return super().load_checkpoint(checkpoint_path, weights_only)
         # fit(ckpt_path=<file>): the distributed checkpoint loads straight into the new store's
@@ -328,7 +177,7 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
             restore.payload = None if self.resume_payload is None else FrozenPayload(self.resume_payload)
         if self.resume_payload is None:  # a checkpoint without a Leto payload: Lightning's own restore
             return ckpt
-        return payload_checkpoint(self)
+        return self._payload_checkpoint()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -347,31 +196,12 @@ class LetoModelParallelStrategy(ModelParallelStrategy):
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 apply_param_groups(optimizer, state["param_groups"])
 
-    def resolve_fit_ckpt_path(self, ckpt_path: Any, trainer: pl.Trainer | None = None) -> Any:
-        """As ``LetoStrategy.resolve_fit_ckpt_path`` (``fit_hooks.begin_fit``); a checkpoint file is
-        a distributed checkpoint (``ModelParallelStrategy``'s format), loaded into a new store."""
-        return begin_fit(self, ckpt_path, trainer)
-
-    # -- the end -------------------------------------------------------------------------------
-    @override
-    def teardown(self) -> None:
-        trainer = attached_trainer(self.lightning_module)
-        ends_fit = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        try:
-            super().teardown()
-            if ends_fit and trainer is not None and self.retained is not None and not resume_can_follow(self, trainer):
-                self.release(unlink=True)
-        finally:
-            self._proxy = None
-            self.fit_state.end()
-
     def release(self, unlink: bool = False) -> None:
         """Copy the shards out of retained memory (the model stays usable), then drop this
         process's mappings; ``unlink=True`` also frees the job's retained memory."""
         if self.sharded is not None:
             self.sharded.detach()
-            self.sharded = None
-        release(self, unlink)
+        super().release(unlink)
 
 
 LetoModelParallelStrategy.register_strategies(StrategyRegistry)
