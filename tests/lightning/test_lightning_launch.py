@@ -248,9 +248,10 @@ def test_trainer_devices_must_match_leto_launch(clean_env) -> None:
 
 def test_recovery_metrics_and_summary_from_events() -> None:
     from leto_lightning.integrations.lightning.recovery_metrics import metrics_for, summary_table
+    from leto_lightning.runtime.event_types import RecoveryFinished, from_record
 
     t0 = 1000.0
-    events = [
+    events = [from_record(record) for record in [
         {"time": t0, "event": "job_started", "generation": 0},
         {"time": t0 + 10, "event": "classification", "generation": 0, "hof": True},
         {"time": t0 + 11, "event": "recovery_finished", "generation": 1, "total_s": 1.0, "first_iteration_s": 0.2,
@@ -259,7 +260,8 @@ def test_recovery_metrics_and_summary_from_events() -> None:
         {"time": t0 + 30, "event": "classification", "generation": 1, "hof": True},
         {"time": t0 + 31, "event": "recovery_finished", "generation": 2, "interrupted": True, "breakdown": {},
          "resume_iteration": 20, "failed_iteration": 20},
-    ]
+    ]]
+    assert isinstance(events[2], RecoveryFinished)
     m = metrics_for(events[2], events, kept_iterations=5, recovered_before=3)
     assert m["leto/recovery/total_s"] == 1.0 and m["leto/recovery/resume_s"] == 0.3
     assert m["leto/hof_count"] == 1 and m["leto/recoveries"] == 1

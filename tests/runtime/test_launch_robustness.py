@@ -26,6 +26,7 @@ from leto_lightning.retained.shm import (
 )
 from leto_lightning.retained.spec import StoreSpec
 from leto_lightning.retained.store import RetainedStore
+from leto_lightning.runtime.event_types import ColdStart, FallbackCheckpoint
 from leto_lightning.runtime.events import EventLog, iter_events, read_events
 from leto_lightning.runtime.storage import StorageError
 from leto_lightning.updater.retained_optimizer import layout_for
@@ -179,7 +180,7 @@ def test_event_log_on_a_full_disk_is_never_torn(tmp_path):
             log = EventLog(disk)
             with pytest.raises(StorageError, match="event log"):
                 for n in range(10_000):
-                    log.emit("filler", 0, payload="x" * 500, n=n)
+                    log.write(FallbackCheckpoint(generation=0, reason=f"{n} " + "x" * 500))
             log.close()
             raw = (disk / "events.jsonl").read_bytes()
             assert raw.endswith(b"\n") and len(read_events(disk)) == raw.count(b"\n")
@@ -187,10 +188,10 @@ def test_event_log_on_a_full_disk_is_never_torn(tmp_path):
             subprocess.run(["umount", "-l", str(disk)], check=False)
     else:  # no root: /dev/full answers every write with ENOSPC
         log = EventLog(tmp_path)
-        log.emit("job_started", 0)
+        log.write(ColdStart(generation=0, reason="before"))
         os.dup2(os.open("/dev/full", os.O_WRONLY), log._fd)
         with pytest.raises(StorageError):
-            log.emit("filler", 0)
+            log.write(ColdStart(generation=0, reason="filler"))
         log.close()
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "events.jsonl").write_text('{"event": "a", "generation": 0, "time": 1}\n{"event": "b", "ge')

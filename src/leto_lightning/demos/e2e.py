@@ -56,27 +56,28 @@ def summarize(console, base: Path) -> int:
     import torch
     from rich.table import Table
 
-    from ..runtime.events import read_events
+    from ..runtime.event_types import JobFinished, JobStarted, RecoveryFinished
+    from ..runtime.events import read_typed_events
 
-    events = read_events(base / "faulty")
+    events = read_typed_events(base / "faulty")
     table = Table(title="recoveries: breakdown in seconds (fail/res: iterations)", box=None, show_edge=False,
                   padding=(0, 1), pad_edge=False)  # 12 columns in 80
     for col in ("gen", "fail", "res", "detect", "stop", "repair", "start", "init", "resume", "recomp", "next",
                 "total"):
         table.add_column(col, justify="right", min_width=len(col))
     lost = 0.0
-    for e in (e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")):
-        b = e["breakdown"]
-        lost += e["total_s"]
-        table.add_row(str(e["generation"]), str(e["failed_iteration"]), str(e["resume_iteration"]),
+    for e in (e for e in events if isinstance(e, RecoveryFinished) and not e.interrupted):
+        b = e.breakdown
+        lost += e.total_s or 0.0
+        table.add_row(str(e.generation), str(e.failed_iteration), str(e.resume_iteration),
                       *(f"{b.get(k, 0.0):.2f}" for k in ("detect", "stop", "attach_repair", "start", "init", "resume",
                                                          "recompute", "next_iteration")),
-                      f"{e['total_s']:.2f}")
+                      f"{e.total_s or 0.0:.2f}")
     console.print(table)
     console.print("total = failure -> first completed iteration after it (shadows promoted; "
                   "'repair' = attach retained state, undo the torn chunk, repair, roll forward)")
-    start = next(e["time"] for e in events if e["event"] == "job_started")
-    end = next(e["time"] for e in events if e["event"] == "job_finished")
+    start = next(e.time for e in events if isinstance(e, JobStarted))
+    end = next(e.time for e in events if isinstance(e, JobFinished))
     ettr = 1 - lost / (end - start)
     same = all(_same(base / "faulty" / f"final_rank{r}.pt", base / "reference" / f"final_rank{r}.pt", torch)
                for r in (0, 1))
@@ -116,12 +117,12 @@ def _plot(base: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(list(ref), list(ref.values()), label="fault-free", lw=3, alpha=0.5)
     ax.plot(list(faulty), list(faulty.values()), "--", label="with HOFs (Leto)", lw=1.5)
-    from ..runtime.events import read_events
+    from ..runtime.event_types import FailureDetected
+    from ..runtime.events import read_typed_events
 
-    events = [e for e in read_events(base / "faulty") if e["event"] == "failure_detected"]
-    for e in events:
-        if e.get("iteration") is not None:
-            ax.axvline(e["iteration"], color="red", lw=0.8, alpha=0.6)
+    for e in read_typed_events(base / "faulty"):
+        if isinstance(e, FailureDetected) and e.iteration is not None:
+            ax.axvline(e.iteration, color="red", lw=0.8, alpha=0.6)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend()

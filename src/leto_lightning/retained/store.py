@@ -29,6 +29,7 @@ import fcntl
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
+from enum import IntEnum
 
 import torch
 
@@ -57,11 +58,29 @@ from .spec import (  # noqa: F401  (re-exported: the spec used to live here)
     write_spec,
 )
 
-# Chunk phases (meta chunk table, column 1), for reports: which sub-step a chunk reached. Recovery
-# does not trust them: a chunk is in flight when the (checksummed) undo header names it and its
-# (checksummed) commit mark does not show the new version.
-IDLE, UNDO_SAVED, MATH_DONE, TIER1_DONE, TIER2_DONE, CHECKSUMMED = range(6)
-PHASE_NAMES = ("idle", "undo_saved", "math_done", "tier1_done", "tier2_done", "checksummed")
+
+class ChunkPhase(IntEnum):
+    """Chunk phases (meta chunk table, column 1: the values are in shared memory), for reports:
+    which sub-step a chunk reached. Recovery does not trust them: a chunk is in flight when the
+    (checksummed) undo header names it and its (checksummed) commit mark does not show the new
+    version."""
+
+    IDLE = 0
+    UNDO_SAVED = 1
+    MATH_DONE = 2
+    TIER1_DONE = 3
+    TIER2_DONE = 4
+    CHECKSUMMED = 5
+
+    @classmethod
+    def label(cls, value: int) -> str:
+        """The name of the phase a table holds (``"math_done"``); ``"unknown"`` for a value that
+        is no phase (damaged memory)."""
+        try:
+            return cls(value).name.lower()
+        except ValueError:
+            return "unknown"
+
 
 UNDO_WHOLE = -1  # UNDO_CHUNK value of a whole-state transaction (generic optimizers)
 FLAG_GENERIC_STATE_BOUND = 0  # flags word: the generic optimizer's lazily created state lives in the store
@@ -362,7 +381,7 @@ class RetainedStore:
         return self.chunk_table[:, 1]
 
     def in_flight(self) -> list[int]:
-        return torch.nonzero(self.phases() != IDLE).flatten().tolist()
+        return torch.nonzero(self.phases() != ChunkPhase.IDLE).flatten().tolist()
 
 
 def _host_bytes(spec: StoreSpec) -> int:

@@ -37,6 +37,14 @@ from .config import RuntimeConfig
 from .control import SignedStore, host_store
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
+from .event_types import (
+    ControlMessageRejected,
+    JobFinished,
+    JobStarted,
+    RunDirLockTakenOver,
+)
+from .event_types import JobInterrupted as JobInterruptedEvent  # phases.JobInterrupted: the exception
+from .event_types import JobStopped as JobStoppedEvent
 from .events import EventLog
 from .phases import JOB_TRANSITIONS, JobInterrupted, JobPhase, JobStopped, PhaseTracker
 from .reclaim import ReclaimConfig, ReclaimPolicy, ShadowReclaimer, check_supported
@@ -79,7 +87,7 @@ class Agent:
         self.run_dir_claim = claim_run_dir(spec.run_dir, spec.run_dir_mode, spec.events_dir, spec.node_rank)
         self.events = EventLog(spec.events_dir)
         if self.run_dir_claim.previous:
-            self.events.emit("run_dir_lock_taken_over", 0, previous=self.run_dir_claim.previous)
+            self.events.write(RunDirLockTakenOver(generation=0, previous=self.run_dir_claim.previous))
         self.job = JobIdentity(new_job_id(job_prefix()))
         self.stop = StopFlag()
         self._phase = PhaseTracker("job", JobPhase.STARTING, JOB_TRANSITIONS)
@@ -117,9 +125,9 @@ class Agent:
             parts.recovery.xids = self.xids = XidMonitor.start()
             if self.xids.note and self.state_managers.managers:  # a CUDA build: the job may train on GPUs
                 notice(self.xids.note, self.out)
-            self.events.emit("job_started", 0, port=self.port, world_size=self.spec.world_size,
-                             job_id=self.job.job_id, node_rank=self.spec.node_rank, script=self.spec.script,
-                             pid=os.getpid())
+            self.events.write(JobStarted(generation=0, port=self.port, world_size=self.spec.world_size,
+                                         job_id=self.job.job_id, node_rank=self.spec.node_rank,
+                                         script=self.spec.script, pid=os.getpid()))
             parts.trainers.start_actives(resume=ResumeMode.FRESH)
             parts.trainers.start_shadows()
             parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
@@ -127,12 +135,12 @@ class Agent:
             return self._loop(parts)
         except JobInterrupted as exc:
             self._advance(JobPhase.INTERRUPTED)
-            self.events.try_emit("job_interrupted", self.job.generation, signal=exc.signum)
+            self.events.try_write(JobInterruptedEvent(generation=self.job.generation, signal=exc.signum))
             notice(f"job {exc}: trainers stopped, retained memory freed", self.out)
             return 128 + exc.signum
         except (JobStopped, StorageError) as exc:  # a full run dir: no restart can help
             self._advance(JobPhase.STOPPED)
-            self.events.try_emit("job_stopped", self.job.generation, reason=str(exc))
+            self.events.try_write(JobStoppedEvent(generation=self.job.generation, reason=str(exc)))
             notice(f"job stopped: {exc}", self.out)
             return 3
         finally:
@@ -147,8 +155,8 @@ class Agent:
             finished = parts.detector.finished()
             if finished is not None:
                 parts.lockstep.wait_other_nodes_done()
-                self.events.emit("job_finished", self.job.generation, exit_code=finished,
-                                 recoveries=self.job.generation)
+                self.events.write(JobFinished(generation=self.job.generation, exit_code=finished,
+                                              recoveries=self.job.generation))
                 self._advance(JobPhase.FINISHED)
                 return finished
             failure = parts.detector.detect()
@@ -205,8 +213,8 @@ class Agent:
 
     def _message_rejected(self, key: str, reason: str) -> None:
         """A control message without the job's secret (or a replay): ignored, and on record."""
-        self.events.emit("control_message_rejected", self.job.generation, key=key, reason=reason, reader="agent",
-                         pid=os.getpid())
+        self.events.write(ControlMessageRejected(generation=self.job.generation, key=key, reason=reason,
+                                                 reader="agent", pid=os.getpid()))
 
     def _shutdown(self) -> None:
         parts = self._parts

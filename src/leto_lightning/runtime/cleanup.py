@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from ..console import say
 from ..errors import ConfigurationError
 from ..retained.shm import SEGMENT_PREFIX, SHM_DIR, list_segments, unlink_segment
-from .events import iter_events
+from .event_types import JobStarted
+from .events import iter_typed_events
 from .procs_state import is_alive
 
 
@@ -95,15 +96,17 @@ def jobs_in_run_dir(run_dir: str) -> tuple[list[str], list[int]]:
     """(job ids, agent pids) named in a run directory's event log."""
     job_ids, agents = [], []
     try:
-        events = list(iter_events(run_dir))
+        events = list(iter_typed_events(run_dir))
     except PermissionError:
         raise ConfigurationError(f"{run_dir}: its events.jsonl is not readable by you: run `leto cleanup` as the "
                                  "job's owner") from None
     for event in events:
-        if event.get("job_id") and event["job_id"] not in job_ids:
-            job_ids.append(event["job_id"])
-        if event["event"] == "job_started" and event.get("pid"):
-            agents.append(int(event["pid"]))
+        if not isinstance(event, JobStarted):
+            continue
+        if event.job_id and event.job_id not in job_ids:
+            job_ids.append(event.job_id)
+        if event.pid:
+            agents.append(int(event.pid))
     if not job_ids:
         raise ConfigurationError(f"{run_dir}: no job id in its events.jsonl (is it a `leto launch` run directory?)")
     return job_ids, agents

@@ -2,6 +2,8 @@
 
 Schema (docs/events.md): every event has ``time`` (Unix seconds), ``event`` and
 ``generation``; the other fields depend on the event. Readers must ignore unknown fields.
+Each event is a class of ``event_types.py``: ``EventLog.write`` takes one, ``iter_typed_events``
+gives them back (``iter_events``: the records as written, dicts).
 
 Each record is one ``os.write`` of a whole line to a file opened ``O_APPEND``; a write the
 filesystem could not take whole (a full disk) is cut back off, so the log never ends in half a
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, LetoError
+from .event_types import Event, from_record, to_record
 from .storage import StorageError, open_run_dir_file
 
 EVENTS_FILE = "events.jsonl"
@@ -46,9 +49,10 @@ class EventLog:
                 "choose a directory you can write (--run-dir)") from exc
         self._lock = threading.Lock()
 
-    def emit(self, event: str, generation: int, **fields: Any) -> dict:
-        record = {"time": time.time(), "event": event, "generation": generation, **fields}
-        line = (json.dumps(record, default=str) + "\n").encode()
+    def write(self, event: Event) -> dict[str, Any]:
+        """Append ``event`` (its record, stamped with the time of writing); the record written."""
+        record = to_record(event, time.time())
+        line = encode(record)
         with self._lock:
             if self._fd is None:
                 raise StorageError(f"event log {self.path} is closed (a write failed before)")
@@ -72,12 +76,12 @@ class EventLog:
         raise StorageError(f"cannot write the event log {self.path}: {reason}; free space in the run dir and "
                            "relaunch (the log is intact up to its last whole record)") from error
 
-    def try_emit(self, event: str, generation: int, **fields: Any) -> dict | None:
-        """``emit``, for the last words of a job: a full disk must not hide why the job ended."""
+    def try_write(self, event: Event) -> dict[str, Any] | None:
+        """``write``, for the last words of a job: a full disk must not hide why the job ended."""
         try:
-            return self.emit(event, generation, **fields)
+            return self.write(event)
         except StorageError as exc:
-            log.warning("event %s not logged: %s", event, exc)
+            log.warning("event %s not logged: %s", event.NAME, exc)
             return None
 
     def close(self) -> None:
@@ -85,6 +89,17 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    """One record's line (``to_record``'s dict), as the log holds it."""
+    return (json.dumps(record, default=str) + "\n").encode()
+
+
+def event_line(event: Event) -> bytes:
+    """``event``'s line stamped now, for a writer without an ``EventLog`` (a trainer appending to
+    the agent's log)."""
+    return encode(to_record(event, time.time()))
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict]:
@@ -114,3 +129,12 @@ def iter_events(run_dir: str | os.PathLike) -> Iterator[dict]:
             raise EventLogError(f"{path} line {number} is not an event record (no \"event\" key): fix or delete "
                                 "that line")
         yield record
+
+
+def read_typed_events(run_dir: str | os.PathLike) -> list[Event]:
+    return list(iter_typed_events(run_dir))
+
+
+def iter_typed_events(run_dir: str | os.PathLike) -> Iterator[Event]:
+    """``iter_events``, each record parsed into its event class (``event_types.from_record``)."""
+    return (from_record(record) for record in iter_events(run_dir))

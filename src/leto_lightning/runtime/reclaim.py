@@ -32,6 +32,7 @@ from ..errors import ConfigurationError
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity
+from .event_types import MemoryOverBudget, ShadowLevelChanged
 from .events import EventLog
 from .keys import SHADOWS_READY
 from .memory import MemoryBudget, MemoryProbe, MemorySample, parse_size
@@ -202,8 +203,8 @@ class ShadowReclaimer:
     def _report_budget(self, sample: MemorySample) -> None:
         over = sample.tightest_free < 0
         if over and not self._over:
-            self.events.emit("memory_over_budget", self.job.generation, level=int(self.level),
-                             reclaim=self.config.enabled, **self.figures(sample))
+            self.events.write(MemoryOverBudget(generation=self.job.generation, level=int(self.level),
+                                               reclaim=self.config.enabled, **self.figures(sample)))
             log.warning("job over its memory budget: %s", self.figures(sample))
             notice(f"warning: memory over the limit ({sample.source}): {sample.used >> 20} MiB used of "
                    f"{sample.limit >> 20} MiB", self.out)
@@ -215,8 +216,8 @@ class ShadowReclaimer:
         count = t.claim_replacement()  # our own replacement: watch_shadows must not redo it
         t.stop_shadows()
         self.store.set(SHADOWS_READY, "")
-        self.events.emit("shadow_level_changed", self.job.generation, old=int(change.old), new=int(change.new),
-                         reason=change.reason, **figures)
+        self.events.write(ShadowLevelChanged(generation=self.job.generation, old=int(change.old),
+                                             new=int(change.new), reason=change.reason, **figures))
         if change.new == ShadowLevel.NONE:
             notice(f"memory: running WITHOUT a shadow ({change.reason}): a failure now means a cold start", self.out)
             return

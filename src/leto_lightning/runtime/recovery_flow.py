@@ -36,6 +36,17 @@ from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
 from .detect import Detector
+from .event_types import (
+    CheckpointRestartFinished,
+    Classification,
+    ColdStart,
+    FailureDetected,
+    FallbackCheckpoint,
+    RecoveryFailed,
+    RecoveryFinished,
+    RecoveryStarted,
+    ShadowsPromoted,
+)
 from .events import EventLog
 from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
 from .messages import FirstDone, NodeRecovered, NodeShadowsReady, NodeStopped, ResumeInfo, TrainerPhase, Verdict
@@ -95,12 +106,13 @@ class Recovery:
         self.stop.check()
         self._charge_budget(failure)
         gen = self.job.generation
-        self.events.emit("failure_detected", gen, rank=failure.rank, pid=failure.pid, role=failure.role,
-                         exit_code=failure.exit_code, signal=failure.signal, exception=failure.exception,
-                         hang=failure.hang, phase=failure.phase, iteration=failure.iteration)
+        self.events.write(FailureDetected(
+            generation=gen, rank=failure.rank, pid=failure.pid, role=failure.role, exit_code=failure.exit_code,
+            signal=failure.signal, exception=failure.exception, hang=failure.hang, phase=failure.phase,
+            iteration=failure.iteration))
         verdict = self._job_verdict(failure)
-        self.events.emit("classification", gen, rank=failure.rank, hof=verdict.hof, reason=verdict.reason,
-                         device=verdict.device, node=verdict.node)
+        self.events.write(Classification(generation=gen, rank=failure.rank, hof=verdict.hof, reason=verdict.reason,
+                                         device=verdict.device, node=verdict.node))
         notice(f"{failure.describe()}: {'HOF' if verdict.hof else 'not a HOF'} ({verdict.reason})", self.out)
         self._stop_on_repeated_startup_failure(failure)
         if verdict.stop:
@@ -155,7 +167,7 @@ class Recovery:
         t_fail = min(t_fail, failure.detected_at)
         timing = RecoveryTiming(detect=failure.detected_at - t_fail)
         gen = self.job.next_generation()
-        self.events.emit("recovery_started", gen, cause_rank=failure.rank, hof=True)
+        self.events.write(RecoveryStarted(generation=gen, cause_rank=failure.rank, hof=True))
         self.trainers.stop_actives()
         self.lockstep.sync(NodeStopped())  # no node touches retained state while another still trains
         t1 = time.time()
@@ -232,11 +244,12 @@ class Recovery:
         gen = self.job.generation
         if ready:
             t.promote_shadows()
-            self.events.emit("shadows_promoted", gen, shadow_set=t.shadow_set)
+            self.events.write(ShadowsPromoted(generation=gen, shadow_set=t.shadow_set))
             return Resumption.SHADOW
         t.stop_shadows()
         t.start_actives(resume=ResumeMode.RETAINED)
-        self.events.emit("cold_start", gen, reason="no ready shadow set: new trainers attach to retained state")
+        self.events.write(ColdStart(generation=gen,
+                                    reason="no ready shadow set: new trainers attach to retained state"))
         return Resumption.COLD
 
     def _wait_resumed(self, timing: RecoveryTiming, t_repaired: float) -> Failure | ResumeInfo:
@@ -255,8 +268,8 @@ class Recovery:
                     pending.discard(r)
             failure = self.detector.detect()
             if failure is not None:
-                self.events.emit("recovery_failed", self.job.generation, rank=failure.rank,
-                                 reason=failure.describe())
+                self.events.write(RecoveryFailed(generation=self.job.generation, rank=failure.rank,
+                                                 reason=failure.describe()))
                 return failure
             if time.time() > deadline:  # blame a stopped trainer, not the healthy one waiting for it
                 p = min((actives[r] for r in pending), key=lambda p: (not stopped(p.pid), p.rank))
@@ -285,10 +298,10 @@ class Recovery:
         breakdown["recompute"] = round(first if rec.recomputes else 0.0, 4)
         breakdown["next_iteration"] = round(0.0 if rec.recomputes else first, 4)
         total = now - rec.t_fail  # failure -> first completed iteration: the sum of the breakdown
-        self.events.emit("recovery_finished", gen, breakdown=breakdown,
-                         first_iteration_s=round(first, 4), total_s=round(total, 4),
-                         resume_iteration=rec.resume_iteration, failed_iteration=rec.failed_iteration,
-                         promoted=rec.promoted.value, repair=rec.repair, shadow_level=rec.shadow_level)
+        self.events.write(RecoveryFinished(
+            generation=gen, breakdown=breakdown, first_iteration_s=round(first, 4), total_s=round(total, 4),
+            resume_iteration=rec.resume_iteration, failed_iteration=rec.failed_iteration, promoted=rec.promoted,
+            repair=rec.repair, shadow_level=rec.shadow_level))
         self._books = None
         self._advance(Phase.IDLE)
         if self.config.defer_shadow_restart:
@@ -310,18 +323,19 @@ class Recovery:
         firsts = [FirstDone.from_json(d) for d in done if d is not None]
         first = min(f.it for f in firsts)
         now = max(f.t for f in firsts)
-        self.events.emit("checkpoint_restart_finished", gen, total_s=round(now - t_fail, 4), failed_iteration=failed,
-                         first_iteration=first,
-                         recompute_iterations=(failed - first) if failed is not None else None)
+        self.events.write(CheckpointRestartFinished(
+            generation=gen, total_s=round(now - t_fail, 4), failed_iteration=failed, first_iteration=first,
+            recompute_iterations=(failed - first) if failed is not None else None))
 
     def _close_interrupted(self) -> None:
         """A failure before every rank's first iteration after resuming: the recovery's books
         close as interrupted (its shadows, if deferred, are never started: the next one decides)."""
         rec = self._books
         if rec is not None:
-            self.events.emit("recovery_finished", self.job.generation, interrupted=True, first_iteration_s=None,
-                             breakdown=rec.timing.rounded(), resume_iteration=rec.resume_iteration,
-                             failed_iteration=rec.failed_iteration, promoted=rec.promoted.value)
+            self.events.write(RecoveryFinished(
+                generation=self.job.generation, interrupted=True, first_iteration_s=None,
+                breakdown=rec.timing.rounded(), resume_iteration=rec.resume_iteration,
+                failed_iteration=rec.failed_iteration, promoted=rec.promoted))
         self._books = None
 
     # -- the slow path -------------------------------------------------------------------------
@@ -329,7 +343,7 @@ class Recovery:
         """Everything restarts; the script resumes from its last checkpoint."""
         self._advance(Phase.RESTARTING)
         gen = self.job.next_generation()
-        self.events.emit("fallback_checkpoint", gen, reason=reason)
+        self.events.write(FallbackCheckpoint(generation=gen, reason=reason))
         notice(f"restarting from the last checkpoint: {reason}", self.out)
         self.trainers.stop_all()
         self._books = None

@@ -18,7 +18,6 @@ is only *where* each call returns.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -37,6 +36,8 @@ from ..faults.points import point
 from .auth import CHILD_ENV
 from .checkpoints import CheckpointCommits
 from .control import SignedStore
+from .event_types import ControlMessageRejected
+from .events import event_line
 from .keys import (
     EXCEPTION,
     FAULT_FIRED,
@@ -305,12 +306,12 @@ def _rejection_reporter(env: SessionEnv, events_path: str | None):
     def report(key: str, reason: str) -> None:
         if not events_path:
             return
-        record = {"time": time.time(), "event": "control_message_rejected", "generation": env.generation,
-                  "key": key, "reason": reason, "reader": f"rank {env.rank} {env.role}", "pid": os.getpid()}
+        line = event_line(ControlMessageRejected(generation=env.generation, key=key, reason=reason,
+                                                 reader=f"rank {env.rank} {env.role}", pid=os.getpid()))
         try:
             fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                os.write(fd, (json.dumps(record) + "\n").encode())
+                os.write(fd, line)
             finally:
                 os.close(fd)
         except OSError:  # the run dir is gone or full: the warning in the output stays

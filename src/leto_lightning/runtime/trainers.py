@@ -17,6 +17,13 @@ from ..env import ResumeMode, Role, WorkerContract, worker_environment
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
+from .event_types import (
+    ControlKeyMissing,
+    ProcessStarted,
+    ShadowFailed,
+    ShadowLevelReached,
+    WarmTemplateReport,
+)
 from .events import EventLog
 from .keys import FAULT_FIRED, HEARTBEAT, PROMOTE, SHADOW_READY, SHADOW_REPLACE, SHADOWS_READY
 from .messages import Promotion
@@ -83,8 +90,9 @@ class Trainers:
         status = self.template.check() if self.template is not None else None
         if status is not None and not self._template_reported:
             self._template_reported = True
-            self.events.emit("warm_template", self.job.generation, ready=status.ready, reason=status.reason,
-                             import_s=status.import_s, modules=status.modules)
+            self.events.write(WarmTemplateReport(generation=self.job.generation, ready=status.ready,
+                                                 reason=status.reason, import_s=status.import_s,
+                                                 modules=status.modules))
             if not status.ready:
                 self.out.write(f"[leto] warm template unavailable ({status.reason}): trainers start from a new "
                                "interpreter\n")
@@ -102,9 +110,10 @@ class Trainers:
         template = self._ready_template()
         proc = spawn([self.spec.python, self.spec.script, *self.spec.args], env, int(env["RANK"]), local_rank, role,
                      gen, self.shadow_set, self.out, template)
-        self.events.emit("process_started", gen, rank=proc.rank, role=role.value, pid=proc.pid,
-                         shadow_set=self.shadow_set if role is Role.SHADOW else None, resume=resume.value or None,
-                         forked=isinstance(proc.popen, ForkedProcess))
+        self.events.write(ProcessStarted(
+            generation=gen, rank=proc.rank, role=role, pid=proc.pid,
+            shadow_set=self.shadow_set if role is Role.SHADOW else None,
+            resume=None if resume is ResumeMode.FRESH else resume, forked=isinstance(proc.popen, ForkedProcess)))
         return proc
 
     def reset_heartbeats(self) -> None:
@@ -126,8 +135,8 @@ class Trainers:
         self.replacements_seen = replacement
         procs = (self._spawn(lr, Role.SHADOW, ResumeMode.FRESH) for lr in range(self.spec.nproc_per_node))
         self.shadows = {p.rank: p for p in procs}
-        self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set, level=self.shadow_level,
-                         reason="started")
+        self.events.write(ShadowLevelReached(generation=self.job.generation, shadow_set=self.shadow_set,
+                                             level=self.shadow_level, reason="started"))
 
     # -- shadows ---------------------------------------------------------------------------------
     def publish_shadow_readiness(self) -> None:
@@ -141,8 +150,8 @@ class Trainers:
         if self.shadows and not published and all(
                 self.store.check([SHADOW_READY.format(sgen=self.shadow_set, rank=r)]) for r in ranks):
             self.store.set(SHADOWS_READY, str(self.shadow_set))
-            self.events.emit("shadow_level", self.job.generation, shadow_set=self.shadow_set,
-                             level=self.shadow_level, reason="ready")
+            self.events.write(ShadowLevelReached(generation=self.job.generation, shadow_set=self.shadow_set,
+                                                 level=self.shadow_level, reason="ready"))
 
     def control_key_missing(self, key: str) -> None:
         """A key the job relies on vanished from its store: a fault of the control plane, on record
@@ -150,7 +159,7 @@ class Trainers:
         mark = (key, self.job.generation)
         if mark not in self._missing_reported:
             self._missing_reported.add(mark)
-            self.events.emit("control_key_missing", self.job.generation, key=key)
+            self.events.write(ControlKeyMissing(generation=self.job.generation, key=key))
 
     def shadows_promotable(self) -> bool:
         """This node's shadow set is alive, not stopped and ready (a stopped (SIGSTOP) shadow
@@ -174,8 +183,8 @@ class Trainers:
         dead = [p for p in self.shadows.values() if p.poll() is not None]
         for p in dead:
             code, sig = p.exit_status()
-            self.events.emit("shadow_failed", self.job.generation, rank=p.rank, pid=p.pid, exit_code=code,
-                             signal=sig, shadow_set=p.shadow_set)
+            self.events.write(ShadowFailed(generation=self.job.generation, rank=p.rank, pid=p.pid, exit_code=code,
+                                           signal=sig, shadow_set=p.shadow_set))
         count = self.store.add(SHADOW_REPLACE.format(gen=self.job.generation), 1 if dead else 0)
         if count > self.replacements_seen:
             self.replace_shadows(count)

@@ -55,7 +55,7 @@ from ..errors import (
 from ..faults.points import point
 from ..retained.integrity import Metadata, MetaVerdict, check_metadata, header_fields
 from ..retained.record import ProgressEntry, RecordStatus, read_all
-from ..retained.store import IDLE, PHASE_NAMES, UNDO_CRCS, UNDO_WHOLE, RetainedStore
+from ..retained.store import UNDO_CRCS, UNDO_WHOLE, ChunkPhase, RetainedStore
 from .repair import RepairReport, page_ok, repair, verify_parity
 from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import restore_whole, tail_crc
@@ -116,7 +116,7 @@ def restore_in_flight(store: RetainedStore, meta: Metadata,
     chunk, version, n_pages, n_pieces = header_fields(verdict.header)
     if chunk == UNDO_WHOLE:
         return [(-1, "whole-state")], restore_whole_checked(store, meta, verdict.header, "the whole-state transaction")
-    phase = PHASE_NAMES[int(store.chunk_table[chunk, 1])] if 0 <= int(store.chunk_table[chunk, 1]) < 6 else "unknown"
+    phase = ChunkPhase.label(int(store.chunk_table[chunk, 1]))
     pages = store.layout.chunk_pages_updated(chunk)
     first, pieces = store.layout.chunk_first_piece[chunk], len(store.layout.chunk_pieces[chunk])
     if n_pages != len(pages) or n_pieces != pieces:
@@ -134,7 +134,7 @@ def restore_in_flight(store: RetainedStore, meta: Metadata,
     store.steps[first : first + n_pieces] = steps_saved.view(torch.float64).float()
     store.chunk_table[chunk, 0] = version
     meta.seal_chunk(chunk)
-    store.chunk_table[chunk, 1] = IDLE
+    store.chunk_table[chunk, 1] = ChunkPhase.IDLE
     meta.mirror_chunk(chunk)
     return [(chunk, phase)], pages
 

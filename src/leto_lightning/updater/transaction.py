@@ -32,13 +32,8 @@ from ..retained.integrity import Metadata
 from ..retained.layout import GRAD, PARAM
 from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.store import (
-    CHECKSUMMED,
-    IDLE,
-    MATH_DONE,
-    TIER1_DONE,
-    TIER2_DONE,
     UNDO_CRCS,
-    UNDO_SAVED,
+    ChunkPhase,
     RetainedStore,
     to_i64,
 )
@@ -190,13 +185,13 @@ class ChunkTransactions:
         point("chunk.begin", chunk=chunk, iteration=iteration)
         self._save_undo(plan, iteration, copy=kernel is None)  # the kernel saves it block by block
         point("chunk.undo_copied", chunk=chunk)
-        table[chunk, 1] = UNDO_SAVED
+        table[chunk, 1] = ChunkPhase.UNDO_SAVED
         point("chunk.undo_marked", chunk=chunk)
         sums: Sequence[int] | np.ndarray | None
         if kernel is None:
             apply_update(lay.family, hparams[plan.group], plan.pieces_for(skip))
             point("chunk.math_done", chunk=chunk)
-            table[chunk, 1] = MATH_DONE
+            table[chunk, 1] = ChunkPhase.MATH_DONE
             if self.device_pages is not None:  # parity re-encoded and pages hashed on the device
                 sums = self.device_pages.refresh(plan.pages)
                 point("chunk.tier1_partial", page=plan.pages[0])
@@ -204,17 +199,17 @@ class ChunkTransactions:
                 sums = self._tier1_delta(plan)
         else:
             sums = self._fused_update(plan, kernel, hparams[plan.group], skip)
-        table[chunk, 1] = TIER1_DONE
+        table[chunk, 1] = ChunkPhase.TIER1_DONE
         point("chunk.tier1_done", chunk=chunk)
         self._tier2_delta(plan)
-        table[chunk, 1] = TIER2_DONE
+        table[chunk, 1] = ChunkPhase.TIER2_DONE
         point("chunk.tier2_done", chunk=chunk)
         self._crcs[plan.pages] = sums if sums is not None else self.store.page_checksums(plan.pages)
-        table[chunk, 1] = CHECKSUMMED
+        table[chunk, 1] = ChunkPhase.CHECKSUMMED
         point("chunk.checksummed", chunk=chunk)
         table[chunk, 0] = iteration + 1
         self.meta.seal_chunk(chunk)  # the commit point: the chunk's checksummed metadata at t + 1
-        table[chunk, 1] = IDLE
+        table[chunk, 1] = ChunkPhase.IDLE
         point("chunk.committed", chunk=chunk)
         self.meta.mirror_chunk(chunk)
 
@@ -265,7 +260,7 @@ class ChunkTransactions:
             point("chunk.tier1_partial", page=plan.pages[0])
             plan.fused.run(kernel, half, end, rows, ranges, crcs, self._progress)
         point("chunk.math_done", chunk=plan.chunk)
-        self._table[plan.chunk, 1] = MATH_DONE
+        self._table[plan.chunk, 1] = ChunkPhase.MATH_DONE
         if plan.fused.parity is None:
             self._tier1_delta(plan, checksums=False)
         return crcs.view(np.int64)  # the checksums as the int64 table stores them (to_i64)

@@ -23,15 +23,10 @@ from ..faults.points import point
 from ..retained.layout import GRAD, PARAM, GenericState
 from ..retained.spec import words_crc
 from ..retained.store import (
-    CHECKSUMMED,
     FLAG_GENERIC_STATE_BOUND,
-    IDLE,
-    MATH_DONE,
-    TIER1_DONE,
-    TIER2_DONE,
     UNDO_CRCS,
-    UNDO_SAVED,
     UNDO_WHOLE,
+    ChunkPhase,
     RetainedStore,
 )
 from .transaction import ChunkTransactions, ParityCodes, settle
@@ -100,11 +95,11 @@ class WholeStateTransactions(ChunkTransactions):
             group.update(hp)
         pages = list(lay.update_pages)
         self._save_whole_undo(iteration, pages)
-        store.chunk_table[:, 1] = UNDO_SAVED
+        store.chunk_table[:, 1] = ChunkPhase.UNDO_SAVED
         point("whole.undo_saved", iteration=iteration)
         self._optimizer_step(skip_params)
         point("whole.math_done", iteration=iteration)
-        store.chunk_table[:, 1] = MATH_DONE
+        store.chunk_table[:, 1] = ChunkPhase.MATH_DONE
         plan = self._whole_plan()
         if self.device_pages is not None:  # parity re-encoded and pages hashed on the device, chunk by chunk
             sums = None
@@ -113,16 +108,16 @@ class WholeStateTransactions(ChunkTransactions):
                 self._crcs[done] = self.device_pages.refresh(done)
         else:
             sums = self._tier1_delta(plan)  # the pages' new checksums, taken while in cache
-        store.chunk_table[:, 1] = TIER1_DONE
+        store.chunk_table[:, 1] = ChunkPhase.TIER1_DONE
         self._tier2_delta(plan)
-        store.chunk_table[:, 1] = TIER2_DONE
+        store.chunk_table[:, 1] = ChunkPhase.TIER2_DONE
         if self.device_pages is None:
             self._crcs[pages] = sums if sums is not None else store.page_checksums(pages)
-        store.chunk_table[:, 1] = CHECKSUMMED
+        store.chunk_table[:, 1] = ChunkPhase.CHECKSUMMED
         point("whole.checksummed", iteration=iteration)
         store.chunk_table[:, 0] = iteration + 1
         self.meta.seal_all()  # the scalar state, then every chunk's sum: the last one commits
-        store.chunk_table[:, 1] = IDLE
+        store.chunk_table[:, 1] = ChunkPhase.IDLE
         point("whole.committed", iteration=iteration)
 
     def _whole_plan(self) -> WholePlan:
@@ -211,7 +206,7 @@ def restore_whole(store: RetainedStore, version: int) -> list[int]:
     store.scalars.copy_(tail["scalars"].float().view_as(store.scalars))
     store.flags.copy_(tail["flags"])  # e.g. "state adopted" set by the step being undone
     store.chunk_table[:, 0] = version
-    store.chunk_table[:, 1] = IDLE
+    store.chunk_table[:, 1] = ChunkPhase.IDLE
     return pages
 
 

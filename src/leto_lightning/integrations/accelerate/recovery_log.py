@@ -27,7 +27,7 @@ import os
 import time
 from typing import Any, Protocol
 
-from ..lightning.recovery_metrics import EventReader, finished_recoveries, metrics_for
+from ..lightning.recovery_metrics import EventReader, finished_recoveries, metrics_for, recoveries_open
 
 WANDB_FLUSH_ENV = "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"  # wandb's x_transaction_log_flush_interval
 WANDB_FLUSH_S = "1.0"  # trainers die by SIGKILL: wandb's default 15 s between writes would lose history
@@ -79,14 +79,14 @@ class RecoveryLog:
         self.reader.poll()
         logged = 0
         for event in finished_recoveries(self.reader.events):
-            if event["generation"] in self.logged:
+            if event.generation in self.logged:
                 continue
-            resume = int(event.get("resume_iteration", 0))
+            resume = int(event.resume_iteration or 0)
             kept = max(0, resume - self.saved_iteration)
             metrics = metrics_for(event, self.reader.events, kept, self.recovered)
             metrics["leto/recovery/resume_step"] = float(resume)
             acc.log(metrics, step=step)
-            self.logged.add(event["generation"])
+            self.logged.add(event.generation)
             self.recovered += kept
             logged += 1
         return logged
@@ -98,11 +98,7 @@ class RecoveryLog:
         deadline = time.time() + wait_s
         while True:
             self.reader.poll()
-            events = self.reader.events
-            started = sum(1 for e in events if e["event"] == "recovery_started")
-            closed = sum(1 for e in events if e["event"] in ("recovery_finished", "recovery_failed",
-                                                              "fallback_checkpoint"))
-            if closed >= started or time.time() > deadline:
+            if not recoveries_open(self.reader.events) or time.time() > deadline:
                 break
             time.sleep(0.05)
         self.log_new(acc, step)

@@ -49,7 +49,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from ...console import say
 from ...env import RESUME, ResumeMode
 from . import internals
-from .recovery_metrics import EventReader, finished_recoveries, metrics_for, summary_table
+from .recovery_metrics import EventReader, finished_recoveries, metrics_for, recoveries_open, summary_table
 from .tensorboard_logs import TensorBoardContinuity
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -193,9 +193,9 @@ class LogKeeper:
         self.reader.poll()
         logged = 0
         for event in finished_recoveries(self.reader.events):
-            if event["generation"] in self.logged_recoveries:
+            if event.generation in self.logged_recoveries:
                 continue
-            resume_step = self._global_step_of(int(event.get("resume_iteration", 0)))
+            resume_step = self._global_step_of(int(event.resume_iteration or 0))
             kept = max(0, resume_step - self.start[2])
             metrics = metrics_for(event, self.reader.events, kept, self.recovered_total)
             metrics["leto/recovery/resume_step"] = float(resume_step)
@@ -203,7 +203,7 @@ class LogKeeper:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
                 logger.save()
-            self.logged_recoveries.add(event["generation"])
+            self.logged_recoveries.add(event.generation)
             self.recovered_total += kept
             logged += 1
         return logged
@@ -235,10 +235,7 @@ class LogKeeper:
         deadline = time.time() + wait_s
         while True:  # the last recovery's books close once every rank finished a step after it
             self.reader.poll()
-            started = sum(1 for e in self.reader.events if e["event"] == "recovery_started")
-            closed = sum(1 for e in self.reader.events if e["event"] in ("recovery_finished", "recovery_failed",
-                                                                            "fallback_checkpoint"))
-            if closed >= started or time.time() > deadline:
+            if not recoveries_open(self.reader.events) or time.time() > deadline:
                 break
             time.sleep(0.05)
         self.log_recoveries(trainer)

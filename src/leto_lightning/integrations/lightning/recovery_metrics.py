@@ -37,6 +37,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...runtime.event_types import (
+    Classification,
+    Event,
+    FallbackCheckpoint,
+    JobStarted,
+    RecoveryFailed,
+    RecoveryFinished,
+    RecoveryStarted,
+    from_record,
+)
 from ...runtime.events import EVENTS_FILE
 
 BREAKDOWN = ("detect", "stop", "attach_repair", "init", "resume", "recompute")
@@ -44,17 +54,17 @@ BREAKDOWN = ("detect", "stop", "attach_repair", "init", "resume", "recompute")
 
 @dataclass
 class EventReader:
-    """Reads ``events.jsonl`` incrementally (complete lines only)."""
+    """Reads ``events.jsonl`` incrementally (complete lines only), as event objects."""
 
     run_dir: str
-    events: list[dict] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     _offset: int = 0
 
     @property
     def path(self) -> str:
         return os.path.join(self.run_dir, EVENTS_FILE)
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[Event]:
         """The events appended since the last call."""
         try:
             size = os.path.getsize(self.path)
@@ -66,66 +76,78 @@ class EventReader:
             f.seek(self._offset)
             data = f.read(size - self._offset)
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
-        new = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        new = [from_record(json.loads(line)) for line in data[:end].splitlines() if line.strip()]
         self._offset += end
         self.events.extend(new)
         return new
 
 
-def finished_recoveries(events: Iterable[dict]) -> list[dict]:
+def finished_recoveries(events: Iterable[Event]) -> list[RecoveryFinished]:
     """``recovery_finished`` events of recoveries that reached their first step."""
-    return [e for e in events if e["event"] == "recovery_finished" and not e.get("interrupted")]
+    return [e for e in events if isinstance(e, RecoveryFinished) and not e.interrupted]
 
 
-def job_start(events: Iterable[dict]) -> float | None:
-    return next((e["time"] for e in events if e["event"] == "job_started"), None)
+def job_start(events: Iterable[Event]) -> float | None:
+    return next((e.time for e in events if isinstance(e, JobStarted)), None)
 
 
-def metrics_for(event: dict, events: list[dict], kept_iterations: int, recovered_before: int) -> dict[str, float]:
+def hof_count(events: Iterable[Event], hof: bool = True) -> int:
+    """Failures classified as HOF (``hof=False``: as not a HOF)."""
+    return sum(1 for e in events if isinstance(e, Classification) and bool(e.hof) == hof)
+
+
+def metrics_for(event: RecoveryFinished, events: list[Event], kept_iterations: int,
+                recovered_before: int) -> dict[str, float]:
     """The logged metrics of one ``recovery_finished`` event (module doc)."""
-    upto = [e for e in events if e["time"] <= event["time"]]
+    upto = [e for e in events if e.time <= event.time]
     done = finished_recoveries(upto)
-    breakdown = event.get("breakdown", {})
+    breakdown = event.breakdown or {}
     out: dict[str, float] = {f"leto/recovery/{k}_s": float(breakdown.get(k, 0.0)) for k in BREAKDOWN}
     out.update({
-        "leto/recovery/total_s": float(event.get("total_s") or 0.0),
-        "leto/recovery/first_iteration_s": float(event.get("first_iteration_s") or 0.0),
-        "leto/recovery/generation": float(event["generation"]),
-        "leto/recovery/shadow_level": float(event.get("shadow_level", 0) or 0),
-        "leto/recovery/failed_iteration": float(event["failed_iteration"] if event.get("failed_iteration") is not None
+        "leto/recovery/total_s": float(event.total_s or 0.0),
+        "leto/recovery/first_iteration_s": float(event.first_iteration_s or 0.0),
+        "leto/recovery/generation": float(event.generation),
+        "leto/recovery/shadow_level": float(event.shadow_level or 0),
+        "leto/recovery/failed_iteration": float(event.failed_iteration if event.failed_iteration is not None
                                                 else -1),
-        "leto/recovery/resume_iteration": float(event.get("resume_iteration", -1)),
+        "leto/recovery/resume_iteration": float(event.resume_iteration if event.resume_iteration is not None
+                                                else -1),
         "leto/recovery/kept_iterations": float(kept_iterations),
         "leto/recoveries": float(len(done)),
-        "leto/hof_count": float(sum(1 for e in upto if e["event"] == "classification" and e.get("hof"))),
+        "leto/hof_count": float(hof_count(upto)),
         "leto/recovered_iterations": float(recovered_before + kept_iterations),
     })
     start = job_start(upto)
-    if start is not None and event["time"] > start:
-        lost = sum(float(e.get("total_s") or 0.0) for e in done)
-        out["leto/ettr"] = max(0.0, 1.0 - lost / (event["time"] - start))
+    if start is not None and event.time > start:
+        lost = sum(float(e.total_s or 0.0) for e in done)
+        out["leto/ettr"] = max(0.0, 1.0 - lost / (event.time - start))
     return out
 
 
-def summary_rows(events: list[dict]) -> list[dict[str, Any]]:
+def recoveries_open(events: Iterable[Event]) -> bool:
+    """A recovery started whose books are not closed yet (finished, failed or a checkpoint restart)."""
+    started = sum(1 for e in events if isinstance(e, RecoveryStarted))
+    closed = sum(1 for e in events if isinstance(e, (RecoveryFinished, RecoveryFailed, FallbackCheckpoint)))
+    return closed < started
+
+
+def summary_rows(events: list[Event]) -> list[dict[str, Any]]:
     rows = []
     for e in events:
-        if e["event"] != "recovery_finished":
+        if not isinstance(e, RecoveryFinished):
             continue
-        b = e.get("breakdown", {})
-        rows.append({"gen": e["generation"], "failed it": e.get("failed_iteration"),
-                     "resumed it": e.get("resume_iteration"), "via": e.get("promoted"), "level": e.get("shadow_level"),
-                     **{k: b.get(k) for k in BREAKDOWN},
-                     "total": e.get("total_s"), "status": "interrupted" if e.get("interrupted") else "ok"})
+        b = e.breakdown or {}
+        rows.append({"gen": e.generation, "failed it": e.failed_iteration, "resumed it": e.resume_iteration,
+                     "via": e.promoted, "level": e.shadow_level, **{k: b.get(k) for k in BREAKDOWN},
+                     "total": e.total_s, "status": "interrupted" if e.interrupted else "ok"})
     return rows
 
 
-def summary_table(events: list[dict], now: float | None = None) -> str:
+def summary_table(events: list[Event], now: float | None = None) -> str:
     """A plain-text table of every recovery of the job so far, with totals and ETTR."""
     rows = summary_rows(events)
-    hofs = sum(1 for e in events if e["event"] == "classification" and e.get("hof"))
-    non_hof = sum(1 for e in events if e["event"] == "classification" and not e.get("hof"))
-    fallbacks = sum(1 for e in events if e["event"] == "fallback_checkpoint")
+    hofs, non_hof = hof_count(events), hof_count(events, hof=False)
+    fallbacks = sum(1 for e in events if isinstance(e, FallbackCheckpoint))
     lines = ["Leto recoveries (seconds)"]
     if rows:
         cols = list(rows[0])
@@ -136,7 +158,7 @@ def summary_table(events: list[dict], now: float | None = None) -> str:
     else:
         lines.append("  (none)")
     done = finished_recoveries(events)
-    lost = sum(float(e.get("total_s") or 0.0) for e in done)
+    lost = sum(float(e.total_s or 0.0) for e in done)
     start = job_start(events)
     tail = f"HOFs: {hofs}  non-HOF failures: {non_hof}  checkpoint restarts: {fallbacks}  " \
            f"in-place recoveries: {len(done)}  time lost: {lost:.2f} s"
