@@ -14,7 +14,7 @@ must first finish the batch the way Lightning would have (``finish_batch``): the
 and batch counters move to "processed", and the LR schedulers due at this batch are stepped
 through the module's own ``lr_scheduler_step``; a 16-mixed grad scaler gets the ``update()`` of
 a step without overflow (``scaler_after_step``). The result is the state Lightning holds inside
-``on_train_batch_end`` of that batch (checked in tests/lightning/test_loop_state.py against a
+``on_train_batch_end`` of that batch (checked in tests/integrations/lightning/test_lightning_loop_state.py against a
 capture taken there). Capturing at ``on_train_batch_end`` alone would not do: by then the
 update is committed and a crash between the two would resume *before* a batch whose update is
 already applied -- it would be applied twice.

@@ -1,6 +1,6 @@
 """ZeRO-1 through ``strategy="leto"``: a ``ZeroRedundancyOptimizer`` returned by
 ``configure_optimizers`` trains bit-identically to Lightning's ``"ddp"`` with the same optimizer
-(2 ranks started externally, forked; the tiny job of tests/lightning: dropout, BatchNorm,
+(2 ranks started externally, forked; the tiny job of tests/integrations/lightning: dropout, BatchNorm,
 accumulation, clipping, a step and an epoch schedule, validation); and an owner SIGKILLed
 between its commit and ZeRO's broadcast, the node's stores rolled forward by ``recover_node``,
 both ranks resumed in new processes (other seeds) with ``ckpt_path="leto://retained"``: the

@@ -155,7 +155,7 @@ def train_rank(job: LightningJob, rank: int) -> None:
 def run_lightning_ranks(job: Any, timeout: float = 120.0, train: Any = train_rank) -> dict[int, int]:
     """Fork one child per rank running ``train(job, rank)``; reap every one by pid
     (``fsdp2_job.fork_ranks``). Returns rank -> exit code."""
-    from .fsdp2_job import fork_ranks
+    from tests.updater.fsdp2_job import fork_ranks
 
     return fork_ranks(WORLD, lambda rank: train(job, rank), timeout)
 

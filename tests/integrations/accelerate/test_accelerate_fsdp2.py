@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import acc_fsdp2_train
 import pytest
 import torch
 
@@ -32,11 +33,9 @@ from leto_lightning.env import FAULTS, JOB_ID, RESUME, ROLE, RUN_DIR
 from leto_lightning.errors import ConfigurationError
 from leto_lightning.runtime.events import read_events
 from leto_lightning.testing.launched import LaunchedRun, free_port, leftovers, stop, wait_for
+from tests.updater.fsdp2_job import fork_ranks
 
-from . import acc_fsdp2_train
-from .fsdp2_job import fork_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(acc_fsdp2_train.__file__)
 CONFIG = ROOT / "configs" / "accelerate" / "leto-fsdp2.yaml"
 WORLD = 2

@@ -19,9 +19,8 @@ from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, snapshot
 from leto_lightning.updater.recovery import recover_node
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, layout_for
-
-from .crash_cases import _shadow_step
-from .test_corruption import _poison
+from tests.updater.crash_cases import _shadow_step
+from tests.updater.test_corruption import _poison
 
 torch.set_num_threads(1)
 STEPS = 2

@@ -4,7 +4,7 @@ of its own, a gathered loss logged), ``accelerator.save_state`` every ``--save-e
 and ``--load-state DIR`` (``accelerator.load_state`` after ``prepare()``, then
 ``leto_resume()``). ``--plain`` runs it with ``accelerate.Accelerator`` (the reference).
 
-Started by tests/accelerate/test_accelerate_restart.py under ``accelerate launch``.
+Started by tests/integrations/accelerate/test_accelerate_restart.py under ``accelerate launch``.
 """
 
 from __future__ import annotations

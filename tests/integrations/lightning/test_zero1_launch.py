@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lightning"))  # the launch harness
+import zero1_launch_script
 from launch_job import QUIET, Run, assert_nothing_left, same_state
 from pl_job import run_ranks
 
 from leto_lightning.testing import launched
 from leto_lightning.updater.zero1 import COMMITTED_POINT
-
-from . import zero1_launch_script
 
 SCRIPT = str(Path(__file__).with_name("zero1_launch_script.py"))
 STEPS = 10

@@ -39,7 +39,7 @@ from acc_job import (
     wait_for,
 )
 
-sys.path.insert(0, str(ROOT / "tests" / "lightning"))
+sys.path.insert(0, str(ROOT / "tests" / "integrations" / "lightning"))
 from launch_job import wandb_groups, wandb_history
 
 SCRIPT = Path(__file__).with_name("acc_restart_train.py")

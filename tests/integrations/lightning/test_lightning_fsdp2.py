@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning_fsdp2_job import ACCUMULATE, CLIP, WORLD, LightningJob, run_lightning_ranks
 
 from leto_lightning import new_job_id
 from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.testing.launched import free_port
-
-from .lightning_fsdp2_job import ACCUMULATE, CLIP, WORLD, LightningJob, run_lightning_ranks
 
 STEPS = 4
 

@@ -14,8 +14,7 @@ from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, run_step, snapshot
 from leto_lightning.updater.recovery import recover_node
-
-from .crash_cases import _shadow_step
+from tests.updater.crash_cases import _shadow_step
 
 KINDS = ("data", "parity", "undo", "meta", "spec", "record")
 PAGE = 4096

@@ -1,5 +1,5 @@
 """A tiny training loop through Accelerate's FSDP2 plugin, with ``LetoAccelerator`` or (``--plain``)
-``accelerate.Accelerator`` (tests/sharded/test_accelerate_fsdp2.py).
+``accelerate.Accelerator`` (tests/integrations/accelerate/test_accelerate_fsdp2.py).
 
 Run as a script under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``,
 ``leto launch`` or ``torchrun``, or called in forked ranks (``main(argv)``). Uneven shards (the

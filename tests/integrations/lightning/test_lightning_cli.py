@@ -20,7 +20,7 @@ from leto_lightning.examples.lightning_cli import main
 from leto_lightning.integrations.lightning import LetoStrategy
 from leto_lightning.testing.crash import run_in_child
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "lightning" / "leto.yaml"
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "lightning" / "leto.yaml"
 
 
 def test_lightning_cli_fits_with_the_leto_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

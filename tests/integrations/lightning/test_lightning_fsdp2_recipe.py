@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from lightning_fsdp2_job import WORLD, as_rank, run_lightning_ranks
 
 from leto_lightning import new_job_id
 from leto_lightning.errors import ConfigurationError
 from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.testing.launched import free_port
-
-from .lightning_fsdp2_job import WORLD, as_rank, run_lightning_ranks
 
 RECIPE = "gpt_moe"
 STEPS = 2

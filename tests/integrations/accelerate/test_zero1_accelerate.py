@@ -15,8 +15,7 @@ from leto_lightning import new_job_id
 from leto_lightning.env import JOB_ID
 from leto_lightning.retained.shm import unlink_segments
 from leto_lightning.testing.launched import free_port
-
-from .fsdp2_job import fork_ranks
+from tests.updater.fsdp2_job import fork_ranks
 
 WORLD = 2
 _CLEAR = ("LETO_ROLE", "LETO_RUN_DIR", "LETO_FAULTS", "LETO_RESUME", "LETO_JOB_ID", "TORCHELASTIC_RUN_ID",

@@ -15,8 +15,7 @@ from leto_lightning.retained.store import RetainedStore
 from leto_lightning.testing.crash import KillPoint, run_in_child
 from leto_lightning.testing.scenario import CoreScenario, differences, snapshot
 from leto_lightning.updater.recovery import recover_node
-
-from .crash_cases import _shadow_step
+from tests.updater.crash_cases import _shadow_step
 
 torch.set_num_threads(1)
 STEPS = 2

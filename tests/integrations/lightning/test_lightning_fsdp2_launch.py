@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning_fsdp2_job import WORLD, loss_series
+from test_lightning_fsdp2 import run
 
 from leto_lightning.faults.plan import planned_faults
 from leto_lightning.testing import launched
-
-from .lightning_fsdp2_job import WORLD, loss_series
-from .test_lightning_fsdp2 import run
 
 JOB = Path(__file__).with_name("lightning_fsdp2_job.py")
 STEPS = 12  # 4 steps per epoch: epochs end after steps 3 and 7

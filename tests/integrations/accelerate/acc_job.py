@@ -19,7 +19,7 @@ from leto_lightning.runtime.events import read_events
 from leto_lightning.testing import launched
 from leto_lightning.testing.launched import LaunchedRun, free_port, stop, wait_for  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "accelerate" / "leto.yaml"
 SCRIPT = ROOT / "src" / "leto_lightning" / "examples" / "accelerate_train.py"
 QUIET = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore")
