@@ -68,6 +68,11 @@ class UsageError(LetoError, RuntimeError):
     """An API was called out of order (e.g. binding a shadow before recovery ran)."""
 
 
+class ArgumentError(LetoError, TypeError):
+    """A Leto object was called with arguments it does not take (e.g. ``step(**kwargs)`` of a
+    retained optimizer, which takes only the closure)."""
+
+
 class LetoTimeoutError(LetoError, TimeoutError):
     """A process or event did not arrive within its deadline."""
 

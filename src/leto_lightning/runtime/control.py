@@ -215,7 +215,7 @@ class SignedStore:
         """First writer wins (``expected=""`` only): the authentic value under ``key`` afterwards.
         A rejected value there counts as no value and is replaced."""
         if expected:
-            raise ValueError("SignedStore.compare_set supports expected='' (first writer wins) only")
+            raise ConfigurationError("SignedStore.compare_set supports expected='' (first writer wins) only")
         mine = self.sign(key, desired)
         current: bytes | str = ""
         while True:

@@ -77,7 +77,7 @@ def _parse(name: str, text: str, current: Any) -> Any:
     try:
         if kind is bool:
             if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
+                raise ConfigurationError(text)
             return text.lower() in ("1", "true", "yes")
         if kind in (int, float):
             return kind(text)

@@ -27,14 +27,17 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 def reject_ddp_options(kwargs: dict[str, Any]) -> None:
     """DDP options that would change parameters or gradients outside retained memory."""
     if kwargs.get("gradient_as_bucket_view"):
-        raise ValueError("gradient_as_bucket_view=True makes gradients views into DDP's buckets; LetoStrategy keeps "
-                         "them in retained memory -- leave it False")
+        raise ConfigurationError("gradient_as_bucket_view=True makes gradients views into DDP's "
+                                 "buckets; LetoStrategy keeps "
+                                 "them in retained memory -- leave it False")
     if kwargs.get("model_averaging_period") is not None or kwargs.get("ddp_comm_state") is not None:
-        raise ValueError("post-local-SGD model averaging changes parameters outside the optimizer step, which "
-                         "retained transactions cannot protect; use plain DDP gradient averaging with LetoStrategy")
+        raise ConfigurationError(
+            "post-local-SGD model averaging changes parameters outside the optimizer step, which "
+            "retained transactions cannot protect; use plain DDP gradient averaging with LetoStrategy")
     start = kwargs.pop("start_method", "popen")
     if start != "popen":
-        raise ValueError(f"start_method={start!r}: LetoStrategy starts no processes; launch ranks with `leto launch`")
+        raise ConfigurationError(f"start_method={start!r}: LetoStrategy starts no processes; launch "
+                                 "ranks with `leto launch`")
 
 
 FSDP2_ADVICE = ("Leto retains sharded state with FSDP2 only: use Trainer(strategy='leto_fsdp2') and shard with "
@@ -94,37 +97,43 @@ def check_precision(precision: Precision) -> None:
     committed (only steps without inf/nan gradients run a transaction)."""
     name = getattr(precision, "precision", None)
     if type(precision) not in (Precision, MixedPrecision) or name not in PRECISIONS:
-        raise ValueError(f"precision {name!r} ({type(precision).__name__}) is not supported by LetoStrategy: use one "
-                         f"of {PRECISIONS} (Lightning's own MixedPrecision plugin for the mixed ones); true half "
-                         "precision is untested, and sharded precision plugins (FSDP, DeepSpeed) cannot be combined "
-                         "with a DDP strategy.")
+        raise ConfigurationError(
+            f"precision {name!r} ({type(precision).__name__}) is not supported "
+            "by LetoStrategy: use one "
+            f"of {PRECISIONS} (Lightning's own MixedPrecision plugin for the mixed ones); true half "
+            "precision is untested, and sharded precision plugins (FSDP, DeepSpeed) cannot be combined "
+            "with a DDP strategy.")
     scaler = getattr(precision, "scaler", None)
     if scaler is not None and (not isinstance(scaler, torch.amp.GradScaler)
                                or type(scaler).update is not torch.amp.GradScaler.update
                                or type(scaler).state_dict is not torch.amp.GradScaler.state_dict):
-        raise ValueError(f"16-mixed with {type(scaler).__name__}: LetoStrategy replays torch.amp.GradScaler's own "
-                         "update() of a committed step on resume; a scaler that changes update() or state_dict() "
-                         "cannot be replayed exactly -- use torch.amp.GradScaler")
+        raise ConfigurationError(
+            f"16-mixed with {type(scaler).__name__}: LetoStrategy replays "
+            "torch.amp.GradScaler's own "
+            "update() of a committed step on resume; a scaler that changes update() or state_dict() "
+            "cannot be replayed exactly -- use torch.amp.GradScaler")
 
 
 def the_optimizer(strategy: Strategy, trainer: pl.Trainer) -> torch.optim.Optimizer:
     """The one optimizer LetoStrategy binds; anything it cannot protect is rejected by name."""
     if len(strategy.optimizers) != 1:
-        raise ValueError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
-                         f"{len(strategy.optimizers)}")
+        raise ConfigurationError(f"LetoStrategy protects exactly one optimizer; configure_optimizers returned "
+                                 f"{len(strategy.optimizers)}")
     optimizer = strategy.optimizers[0]
     if is_mock_optimizer(optimizer):
         raise ConfigurationError("configure_optimizers() returned None: LetoStrategy protects the optimizer's state "
                                  "and the updates, and this fit has neither -- return an optimizer, or train "
                                  "without one under strategy='ddp'")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("LBFGS re-evaluates its closure inside step(); a retained transaction runs the closure once "
-                         "-- use another optimizer with LetoStrategy")
+        raise ConfigurationError("LBFGS re-evaluates its closure inside step(); a retained "
+                                 "transaction runs the closure once "
+                                 "-- use another optimizer with LetoStrategy")
     if isinstance(optimizer, ZeroRedundancyOptimizer):  # ZeRO-1: the owned shard retained (updater.zero1)
         return check_zero1(optimizer)  # parameters_as_bucket_view / overlap_with_ddp refused, naming the fix
     if type(optimizer).__module__.startswith("torch.distributed"):
-        raise ValueError(f"{type(optimizer).__name__} shards or wraps optimizer state across ranks; LetoStrategy "
-                         "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
+        raise ConfigurationError(f"{type(optimizer).__name__} shards or wraps optimizer state across "
+                                 "ranks; LetoStrategy "
+                                 "retains each rank's full optimizer state -- use a plain torch.optim optimizer")
     if optimizer_family(optimizer) == "generic":  # raises for fused / capturable / differentiable
         check_closure_use(optimizer, trainer.lightning_module.automatic_optimization)
     return optimizer
@@ -156,7 +165,7 @@ def check_closure_use(optimizer: torch.optim.Optimizer, automatic: bool) -> None
             "closure (forward and backward) once, then step() inside a retained transaction; an optimizer that "
             "evaluates the closure inside step() (SAM-like, or a step(closure) that calls it unconditionally) "
             "cannot be protected -- make closure optional in step(), use another optimizer, or strategy='ddp'"
-        ) from exc
+            ) from exc
     if automatic:
         # worked without one: a failure here is the optimizer's own error
         with_closure.step(closure)  # type: ignore[arg-type]  # a loss tensor, as Lightning passes
@@ -181,4 +190,4 @@ def _throwaway(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             f"{type(optimizer).__name__} cannot be rebuilt from its defaults ({type(exc).__name__}: {exc}): "
             "LetoStrategy learns the layout of its state from a throwaway instance -- wrapper optimizers "
             "(SAM-like, taking a base optimizer) are not supported; use the optimizer itself, or strategy='ddp'"
-        ) from exc
+            ) from exc

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from ...errors import UsageError
 from ...retained.torch_internals import skip_sampled_indices
 
 
@@ -107,8 +108,8 @@ class ResumableDataLoader:
         self._lazy = bool(state["epoch_done"])
         gens = self._generators()
         if len(gens) != len(state["generators"]):
-            raise RuntimeError(f"the loader has {len(gens)} generators, the resume state {len(state['generators'])}: "
-                               "build the training DataLoader the same way as the run being resumed")
+            raise UsageError(f"the loader has {len(gens)} generators, the resume state {len(state['generators'])}: "
+                             "build the training DataLoader the same way as the run being resumed")
         for gen, value in zip(gens, state["generators"]):
             gen.set_state(value)
 

@@ -17,6 +17,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from typing_extensions import override
 
 from ...env import NODE_RANK, under_launcher
+from ...errors import ConfigurationError
 
 
 def under_leto_launch(env: Mapping[str, str] = os.environ) -> bool:
@@ -54,7 +55,7 @@ class LetoEnvironment(ClusterEnvironment):
     @override
     def set_world_size(self, size: int) -> None:
         if size != self.world_size():
-            raise ValueError(
+            raise ConfigurationError(
                 f"the Trainer asks for {size} ranks (devices x num_nodes), but `leto launch` started WORLD_SIZE="
                 f"{self.world_size()}: make Trainer(devices=...) equal to --nproc-per-node "
                 f"({os.environ.get('LOCAL_WORLD_SIZE', '?')}) and Trainer(num_nodes=...) equal to --nnodes")
@@ -66,8 +67,8 @@ class LetoEnvironment(ClusterEnvironment):
     @override
     def set_global_rank(self, rank: int) -> None:
         if rank != self.global_rank():
-            raise ValueError(f"Lightning computed global rank {rank}, `leto launch` assigned "
-                             f"RANK={self.global_rank()}: Trainer(devices=...) must equal --nproc-per-node")
+            raise ConfigurationError(f"Lightning computed global rank {rank}, `leto launch` assigned "
+                                     f"RANK={self.global_rank()}: Trainer(devices=...) must equal --nproc-per-node")
 
     @override
     def local_rank(self) -> int:

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from ...console import notice
 from ...env import NO_SUPERVISE
+from ...errors import UsageError
 from ...runtime.options import LetoRuntimeOptions
 from .environment import under_leto_launch
 from .internals import Launcher, is_fit_impl, set_num_threads_if_needed
@@ -111,7 +112,7 @@ def check_launch(strategy: LaunchedStrategy) -> None:
     command = f"`leto launch --nproc-per-node {strategy.num_processes} {_script()}`"
     env = strategy.cluster_environment
     if ranks > 1 and not (env is not None and env.creates_processes_externally):
-        raise RuntimeError(
+        raise UsageError(
             f"LetoStrategy does not start ranks itself (Trainer asks for {ranks} devices): Lightning's launcher kills "
             f"every rank when one dies, which is what Leto recovers from in place. Start the script with {command}.")
 

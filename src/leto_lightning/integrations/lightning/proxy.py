@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ...errors import ArgumentError, UsageError
+
 _PROXY_CLASSES: dict[type, type] = {}
 _OWN = ("_leto_optimizer", "_leto_step", "_leto_groups")
 
@@ -56,12 +58,12 @@ class _RetainedStepProxy:
         return self._leto_optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise RuntimeError("the optimizer's state lives in retained memory: load a checkpoint through the Trainer "
-                           "(LetoStrategy adopts it), not through the step proxy")
+        raise UsageError("the optimizer's state lives in retained memory: load a checkpoint through the Trainer "
+                         "(LetoStrategy adopts it), not through the step proxy")
 
     def add_param_group(self, param_group: dict) -> None:
-        raise RuntimeError("parameters cannot be added after LetoStrategy bound the optimizer to retained memory; "
-                           "add every param group in configure_optimizers")
+        raise UsageError("parameters cannot be added after LetoStrategy bound the optimizer to retained memory; "
+                         "add every param group in configure_optimizers")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._leto_optimizer.zero_grad(set_to_none)
@@ -69,7 +71,7 @@ class _RetainedStepProxy:
     # -- the step --------------------------------------------------------------------------
     def step(self, closure: Callable | None = None, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(f"optimizer.step() got {sorted(kwargs)}: a retained step takes only the closure")
+            raise ArgumentError(f"optimizer.step() got {sorted(kwargs)}: a retained step takes only the closure")
         return self._leto_step(closure)
 
     # -- everything else is the real optimizer's ---------------------------------------------
@@ -120,8 +122,8 @@ class ShardedGroup(MutableMapping):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "params":
-            raise RuntimeError("the params of a retained FSDP2 param group are bound to retained memory; "
-                               "build every group in configure_optimizers")
+            raise UsageError("the params of a retained FSDP2 param group are bound to retained memory; "
+                             "build every group in configure_optimizers")
         self._group[key] = value
 
     def __delitem__(self, key: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from ...errors import InternalError, UsageError
 from ...retained.torch_internals import GROWTH_TRACKER, amp_update_scale_, mark_optimizer_stepped
 from ...updater.retained_optimizer import hyperparameters
 from . import internals
@@ -138,7 +139,7 @@ def capture(trainer: pl.Trainer, kind: str) -> dict[str, Any]:
     """Everything outside retained memory that the resumed trainer needs (see module doc)."""
     global _capturing_prepare
     if kind not in KINDS:
-        raise ValueError(f"unknown payload kind {kind!r}")
+        raise InternalError(f"unknown payload kind {kind!r}")
     _capturing_prepare = kind == "prepare"
     try:
         return _capture(trainer, kind)
@@ -321,8 +322,8 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def apply_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
     """Set the hyper-parameters (lr, betas, ...) of ``optimizer``'s groups; never its params."""
     if len(groups) != len(optimizer.param_groups):
-        raise RuntimeError(f"the optimizer has {len(optimizer.param_groups)} param groups, the retained record "
-                           f"{len(groups)}: configure_optimizers must build the same groups as the run being resumed")
+        raise UsageError(f"the optimizer has {len(optimizer.param_groups)} param groups, the retained record "
+                         f"{len(groups)}: configure_optimizers must build the same groups as the run being resumed")
     for group, values in zip(optimizer.param_groups, groups):
         for key, value in values.items():
             if key == "params" or key.startswith("_leto"):
@@ -347,8 +348,8 @@ def build_checkpoint(trainer: pl.Trainer, payload: dict[str, Any] | None) -> dic
     Lightning's loading copies nothing; everything else comes from the payload.
     """
     if payload is not None and payload.get("version") != PAYLOAD_VERSION:
-        raise RuntimeError(f"retained resume payload version {payload.get('version')!r}; this leto_lightning "
-                           f"writes version {PAYLOAD_VERSION}: resume with the version that wrote it")
+        raise UsageError(f"retained resume payload version {payload.get('version')!r}; this leto_lightning "
+                         f"writes version {PAYLOAD_VERSION}: resume with the version that wrote it")
     if payload is not None and payload["kind"] == "prepare":
         payload = finish_batch(trainer, payload)
     if payload is not None and payload.get("validation_due"):
