@@ -67,7 +67,9 @@ def _leaked(before: set[str], grace: float = 3.0) -> set[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.slow`` cases run with ``LETO_LONG=1`` (or ``-m slow``): end-to-end runs whose
-    mechanism another CI case already exercises, kept out of CI's 15 minutes on 2 cores."""
+    mechanism another case of ``python -m pytest -q`` already exercises, kept out of that command's
+    15 minutes on 2 cores. CI runs them in a stage of their own after it (``.ci/run``:
+    ``python -m pytest -q -m slow``)."""
     if os.environ.get("LETO_LONG") or "slow" in (config.getoption("-m") or ""):
         return
     skip = pytest.mark.skip(reason="slow end-to-end case: LETO_LONG=1 runs it")

@@ -8,8 +8,8 @@
 - ``save_state`` mid-epoch, the job stopped, a new job ``load_state``s it: bit-identical.
 - ``load_state`` of an earlier checkpoint mid-run: bit-identical to plain Accelerate doing the same.
 - FSDP1 and FSDP2 options that leave retained memory refused, naming the fix.
-- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml``, ``leto
-  launch`` and torchrun: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
+- (slow) Under ``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` and ``leto
+  launch``: five SIGKILLs in one run (inside an update, after a step, mid accumulation,
   both ranks at once from outside, one more from outside), exit 0, bit-identical to the plain
   run; under ``leto launch``, the agent's checkpoint fallback after damage beyond parity.
 """
@@ -214,13 +214,10 @@ def _fault(fid: str, rank: int, where: str, iteration: int, occurrence: int = 1)
 
 
 def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tuple[subprocess.Popen, Path]:
-    """The script under ``accelerate launch`` or torchrun (per-rank agents), or ``leto launch``."""
+    """The script under ``accelerate launch`` (per-rank agents) or ``leto launch``."""
     script = [str(SCRIPT), "--out", str(out), "--epochs", "4", "--sleep", "0.4"]
     env = dict(QUIET, **{FAULTS: json.dumps(faults)})
-    if launcher == "torchrun":
-        env[RUN_DIR] = str(tmp_path / "run")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
-    elif launcher == "accelerate":
+    if launcher == "accelerate":
         port = free_port()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
                "--main_process_port", str(port), *script]
@@ -240,16 +237,26 @@ def _start(launcher: str, tmp_path: Path, out: Path, faults: list[dict]) -> tupl
     return proc, run_dir
 
 
-@pytest.mark.slow  # LETO_LONG=1: about 2 minutes each on 2 loaded cores (shadows re-import torch per recovery)
-@pytest.mark.parametrize("launcher", ["accelerate", "leto", "torchrun"])
-def test_fsdp2_five_kills_bit_identical(launcher: str, tmp_path) -> None:
-    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` and torchrun (per-rank
-    agents), ``leto launch`` (one agent): SIGKILLs inside an update (rank 1, a chunk's math done), after a step (rank
+@pytest.fixture(scope="module")
+def plain_four_epochs(tmp_path_factory) -> Path:
+    """Plain Accelerate + FSDP2 for 4 epochs: the reference of the launched runs below."""
+    out = tmp_path_factory.mktemp("plain_four_epochs")
+    run_forked(out, "--plain", "--epochs", "4")
+    return out
+
+
+# torchrun is not a third case here: ``accelerate launch`` starts its ranks through torchrun's
+# launcher (per-rank agents, as under torchrun), and torchrun's own environment is the Accelerate
+# DDP case tests/accelerate/test_accelerate_launch.py::test_torchrun_ranks_become_agents_and_recover.
+@pytest.mark.slow  # LETO_LONG=1 and CI's slow stage: 40-60 s each on 2 loaded cores (shadows re-import torch)
+@pytest.mark.parametrize("launcher", ["accelerate", "leto"])
+def test_fsdp2_five_kills_bit_identical(launcher: str, tmp_path, plain_four_epochs: Path) -> None:
+    """``accelerate launch --config_file configs/accelerate/leto-fsdp2.yaml`` (per-rank agents),
+    ``leto launch`` (one agent): SIGKILLs inside an update (rank 1, a chunk's math done), after a step (rank
     0), mid accumulation (rank 1), both ranks at once from outside, one rank from outside: exit
     0, every recovery in place, local shards, AdamW state, LR, losses and grad norms
     bit-identical to plain Accelerate + FSDP2."""
-    reference = tmp_path / "plain"
-    run_forked(reference, "--plain", "--epochs", "4")
+    reference = plain_four_epochs
     out, log = tmp_path / "out", tmp_path / "launch.log"
     faults = [_fault("update", 1, "chunk.math_done", 2), _fault("between", 0, "accelerate.after_step", 4),
               _fault("accumulation", 1, "compute.begin", 6, occurrence=2)]
@@ -273,15 +280,14 @@ def test_fsdp2_five_kills_bit_identical(launcher: str, tmp_path) -> None:
     assert not left, "; ".join(left)
 
 
-@pytest.mark.slow  # LETO_LONG=1: about 2 minutes on 2 loaded cores
-def test_leto_launch_fsdp2_damage_beyond_parity_restarts_from_save_state(tmp_path) -> None:
+@pytest.mark.slow  # LETO_LONG=1 and CI's slow stage: about 25 s on 2 loaded cores
+def test_leto_launch_fsdp2_damage_beyond_parity_restarts_from_save_state(tmp_path, plain_four_epochs: Path) -> None:
     """Under ``leto launch``: ``save_state`` after step 4 (a distributed checkpoint of the shards),
     then both active trainers stopped, both ranks' data pages overwritten (beyond tier-1 and
     tier-2 parity: nothing else holds a shard) and both SIGKILLed. The agent reports the damage,
     restarts every trainer with ``LETO_RESUME=checkpoint``; ``leto_resume()`` loads step 4's
     checkpoint and the job ends bit-identical to the uninterrupted plain run."""
-    reference = tmp_path / "plain"
-    run_forked(reference, "--plain", "--epochs", "4")
+    reference = plain_four_epochs
     out, run_dir = tmp_path / "out", tmp_path / "run"
     cmd = [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir", str(run_dir),
            str(SCRIPT), "--out", str(out), "--epochs", "4", "--save-at", "4", "--sleep", "0.3"]

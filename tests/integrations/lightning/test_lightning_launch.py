@@ -277,8 +277,16 @@ def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp
     """Two `leto launch` node agents (loopback), one rank each, `Trainer(num_nodes=2,
     devices=1)`: a HOF on node 1 mid-update is recovered on both nodes through the store;
     bit-identical to the one-node fault-free run (same global ranks and data)."""
+    import launch_job
+
     port = free_port()
-    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())  # separate run dirs: every node gets the job's secret
+    # separate run dirs: every node gets the job's secret (in QUIET, the launches' environment:
+    # it is copied from os.environ at import, so monkeypatch.setenv would not reach node 1)
+    monkeypatch.setitem(launch_job.QUIET, "LETO_SECRET", os.urandom(16).hex())
+    # one intra-op thread per trainer, as the one-node reference's 2 processes per node get (torchrun's
+    # rule; with one process per node Lightning would use every CPU, and another thread count
+    # changes the float reductions)
+    monkeypatch.setitem(launch_job.QUIET, "OMP_NUM_THREADS", "1")
     faults = [{"id": 0, "rank": 1, "iteration": 11, "point": "chunk.math_done", "occurrence": 3,
                "wait_shadows": True}]
     procs = []
