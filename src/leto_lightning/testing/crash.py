@@ -10,6 +10,7 @@ seconds here), and every child is reaped by pid before the call returns.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import select
@@ -71,6 +72,10 @@ def run_in_child(fn: Callable[[], object], kill_at: KillPoint | KillAfter | None
     report_r, report_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
+        # Nothing the parent allocated is finalised here: a c10d store or group left in a garbage
+        # cycle (an in-process agent's) would be destroyed by the child's collector, whose
+        # server thread is not in this process -- std::terminate. They are the parent's to free.
+        gc.freeze()
         os.close(report_r)
         _child_main(fn, kill_at, report_w)
     os.close(report_w)
