@@ -68,12 +68,20 @@ def atomic_write(path: str, write: Callable[[str], None], mode: int | None = Non
 
 def durable(path: str) -> None:
     """fsync ``path`` (a file, or every file below a directory) and the directory that holds it:
-    after a power loss or a killed node it is there whole, or not at all."""
+    after a power loss or a killed node it is there whole, or not at all. A file below the
+    directory that vanishes while it is walked (another rank's temporary, renamed) is skipped."""
     paths = [path]
     if os.path.isdir(path):
         paths = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
     for name in paths:
-        fd = os.open(name, os.O_RDONLY)
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except FileNotFoundError:
+            if name == path:
+                raise
+            # another rank's temporary file in a shared checkpoint directory, renamed since the
+            # walk listed it: its writer makes the file it became durable itself
+            continue
         try:
             os.fsync(fd)
         finally:
