@@ -112,6 +112,7 @@ class TrainerEngine:
         """A new store for ``spec``, bound by ``bind`` (``bind(adopt=False)`` of its binding:
         replicated, ZeRO-1 or whole-state), then completed and announced to shadows, unless
         ``complete=False`` (call ``complete()`` once the bound values are final)."""
+        self._binding_started()
         bound = set_up_store(spec, bind, barrier=barrier, settings=ProcessSettings.from_env(),
                              attach_with=attach_with, complete=complete)
         self._bound(bound, None)
@@ -133,6 +134,7 @@ class TrainerEngine:
         """This rank's existing store, its views bound by ``bind`` without writing anything
         (``bind(adopt=True, resume=False)``: the active trainer may still be training it);
         ``resume()`` takes its values. Under the agent, waits until the store exists."""
+        self._binding_started()
         if self.link is not None:
             self.link.wait_for_store()  # a shadow starts beside the active trainer that creates it
         store = RetainedStore.attach(job_id, rank)
@@ -152,6 +154,7 @@ class TrainerEngine:
         checkpoint ``checkpoint`` (continuing at ``iteration`` with ``payload``) before shadows
         are told -- or, continuing, the existing store's views only (``resume()`` takes them)."""
         settings = ProcessSettings.from_env()
+        self._binding_started()
         if continuing:
             if self.link is not None:
                 self.link.wait_for_store()
@@ -194,6 +197,10 @@ class TrainerEngine:
             self.mode = RunMode.PROMOTED if self.link is not None else RunMode.RESTARTED
         else:
             self.mode = RunMode.FROM_CHECKPOINT if ro.iteration > 0 else RunMode.FRESH
+
+    def _binding_started(self) -> None:
+        if self.link is not None:
+            self.link.binding_started()
 
     def _store_ready(self) -> None:
         if self.link is not None:

@@ -66,6 +66,7 @@ class RuntimeLink:
         self._first_done = False
         self._resume_started: float | None = None
         self._resume_iteration: int | None = None
+        self._set_up_started: float | None = None  # when this process began binding (its protect())
         self._last_beat = 0.0
 
     # -- who this process is ---------------------------------------------------------------
@@ -111,10 +112,17 @@ class RuntimeLink:
         point("promotion.resume")
         self._resume_started = time.time()
 
+    def binding_started(self) -> None:
+        """This process begins binding to retained state (plain PyTorch's ``protect()``): the
+        agent's ``start`` ends here and the resumed message's ``init`` begins (docs/events.md)."""
+        if self._set_up_started is None:
+            self._set_up_started = time.time()
+
     def resumed(self, iteration: int) -> None:
         """Tell the agent this rank resumed (loop, RNG and data position restored)."""
         started = self._resume_started if self._resume_started is not None else time.time()
-        self.connect().report_resumed(iteration, resume_started=started, set_up_started=process_start_time())
+        set_up = self._set_up_started if self._set_up_started is not None else process_start_time()
+        self.connect().report_resumed(iteration, resume_started=started, set_up_started=set_up)
         self._resume_started = None
 
     @property

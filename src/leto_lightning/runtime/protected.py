@@ -55,7 +55,9 @@ def protect(session: Session, model: torch.nn.Module, optimizer: torch.optim.Opt
                          "optimizer's state dicts before protect and pass start_iteration and payload")
     if session.is_shadow and session.env.level < 3:
         session.wait_for_promotion()
-    engine = TrainerEngine(RuntimeLink(session=session))
+    link = RuntimeLink(session=session)
+    link.binding_started()  # protect() begins here: the agent's `start` ends (docs/events.md)
+    engine = TrainerEngine(link)
     e, config = session.env, config or RetainedConfig()
     continuing = not session.creates_store
     if sharded:

@@ -114,7 +114,10 @@ def test_hofs_at_random_points_bit_identical_with_metrics(reference: Run, tmp_pa
         assert float(row["leto/recovery/detect_s"]) == pytest.approx(event["breakdown"]["detect"])
         assert float(row["leto/recovery/resume_iteration"]) == event["resume_iteration"]
         it = event["resume_iteration"]  # a restart from the newest file (every 7 steps) would redo these
-        assert float(row["leto/recovery/kept_iterations"]) == it - 7 * (it // 7)
+        # ... unless the HOF struck after rank 0 saved last.ckpt at the validation's end (save_last): then
+        # that file is at `it` and a restart would redo nothing -- whether rank 0 got there before the
+        # agent stopped it is a race, so both values are right
+        assert float(row["leto/recovery/kept_iterations"]) in {it - 7 * (it // 7), 0.0}
         assert 0.0 < float(row["leto/ettr"]) < 1.0
     assert float(rows[-1]["leto/recovered_iterations"]) > 0
     assert "in-place recoveries: 5" in run.output and "HOFs: 5" in run.output
