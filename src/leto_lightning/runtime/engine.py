@@ -32,20 +32,30 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..env import ProcessSettings
+from ..env import ProcessSettings, job_prefix
 from ..errors import UsageError
 from ..faults.points import point
 from ..retained.config import RetainedConfig
+from ..retained.shm import new_job_id
 from ..retained.store import RetainedStore, StoreSpec
 from ..retained.torch_internals import mark_optimizer_stepped
 from ..updater.fsdp2 import RetainedFSDP2, attach_fsdp2, create_fsdp2
-from ..updater.retained_optimizer import RetainedOptimizer
+from ..updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
 from ..updater.store_setup import complete_new_store, encode_all, set_up_store
 from .link import RuntimeLink
 from .messages import TrainerPhase
 
 log = logging.getLogger(__name__)
 Binding = TypeVar("Binding", bound=RetainedOptimizer)
+
+
+def agreed_new_job_id(world_size: int) -> str:
+    """A fresh job id, the same on every rank (rank 0's, over the process group when there is
+    one): tier 2 attaches the peers' stores by it."""
+    job = [new_job_id(job_prefix())]
+    if world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(job, src=0)
+    return job[0]
 
 
 class RunMode(Enum):
@@ -95,16 +105,15 @@ class TrainerEngine:
         """The next iteration the retained state will update (0 before binding)."""
         return self.bound.iteration if self.bound is not None else 0
 
-    def prepare_barrier(self, world_size: int,
-                        barrier: Callable[[], None] | None = None) -> Callable[[], None] | None:
+    def prepare_barrier(self, world_size: int) -> Callable[[], None] | None:
         """No chunk of an iteration commits before every rank prepared it (the agreement every
-        step and the tier-2 set-up use): the session's flag all-reduce under the agent, else
-        ``barrier`` (default: the process group's), None for one rank."""
+        step and the tier-2 set-up use): the session's flag all-reduce under the agent, else the
+        process group's barrier, None for one rank."""
         if self.link is not None:
             return self.link.barrier
         if world_size <= 1:
             return None
-        return barrier or (lambda: torch.distributed.barrier())
+        return lambda: torch.distributed.barrier()
 
     # -- the store's set-up: one routine ----------------------------------------------------------
     def create(self, spec: StoreSpec, bind: Callable[[RetainedStore], Binding], *,
@@ -145,6 +154,29 @@ class TrainerEngine:
             raise
         self._bound(bound, None, continuing=True)
         return bound
+
+    def bind_replicated(self, optimizer: torch.optim.Optimizer, config: RetainedConfig, *, job_id: str,
+                        place: RankPlace, barrier: Callable[[], None] | None, continuing: bool,
+                        payload_fn: Callable[[], object] | None = None, names: dict | None = None,
+                        rollback_window: bool = False, iteration: int = 0, payload: object = None,
+                        attach_with: str = "LETO_RESUME=retained") -> RetainedOptimizer:
+        """Every parameter and its optimizer state (DDP, one process; the whole-state undo copy
+        with ``rollback_window``): a new store -- starting at ``iteration`` with ``payload``, a
+        checkpoint's -- or, continuing, the existing store's views only (``resume()`` takes them)."""
+
+        def bind(store: RetainedStore) -> RetainedOptimizer:
+            ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
+                                   settings=ProcessSettings.from_env())
+            ro.bind(adopt=continuing, resume=False, iteration=iteration, payload=payload)
+            return ro
+
+        if continuing:
+            return self.attach(job_id, place.rank, bind)
+        config = config_for(config, optimizer)
+        config.check_devices(place.local_world_size)
+        layout = layout_for(optimizer, config, names, whole_state=rollback_window)
+        spec = StoreSpec(job_id, place.rank, place.node, place.local_rank, place.local_world_size, layout, config)
+        return self.create(spec, bind, barrier=barrier, attach_with=attach_with)
 
     def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, *,
                    job_id: str, place: RankPlace, barrier: Callable[[], None] | None,

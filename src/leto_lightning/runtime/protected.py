@@ -10,13 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..env import ProcessSettings
 from ..errors import UsageError
 from ..retained.config import RetainedConfig
 from ..retained.layout import GRAD
-from ..retained.store import RetainedStore, StoreSpec
 from ..updater.fsdp2 import RetainedFSDP2, is_fsdp2
-from ..updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
 from .engine import RankPlace, TrainerEngine
 from .link import RuntimeLink
 from .session import Session
@@ -60,30 +57,15 @@ def protect(session: Session, model: torch.nn.Module, optimizer: torch.optim.Opt
     engine = TrainerEngine(link)
     e, config = session.env, config or RetainedConfig()
     continuing = not session.creates_store
+    place = RankPlace(e.rank, e.node, e.local_rank, e.local_world_size)
     if sharded:
-        place = RankPlace(e.rank, e.node, e.local_rank, e.local_world_size)
         engine.bind_fsdp2(model, optimizer, config, job_id=e.job_id, place=place, barrier=session.barrier,
                           payload_fn=None, continuing=continuing, checkpoint=checkpoint,
                           iteration=start_iteration, payload=payload)
-    elif continuing:
-        def attach(store: RetainedStore) -> RetainedOptimizer:
-            ro = RetainedOptimizer(optimizer, store, settings=ProcessSettings.from_env())
-            ro.bind(adopt=True, resume=False)
-            return ro
-
-        engine.attach(e.job_id, e.rank, attach)
     else:
-        config = config_for(config, optimizer)
-        config.check_devices(e.local_world_size)
-        spec = StoreSpec(e.job_id, e.rank, e.node, e.local_rank, e.local_world_size, layout_for(optimizer, config),
-                         config)
-
-        def bind(store: RetainedStore) -> RetainedOptimizer:
-            ro = RetainedOptimizer(optimizer, store, settings=ProcessSettings.from_env())
-            ro.bind(adopt=False, iteration=start_iteration, payload=payload)
-            return ro
-
-        engine.create(spec, bind, barrier=session.barrier, attach_with="session.protect in a shadow or a restart")
+        engine.bind_replicated(optimizer, config, job_id=e.job_id, place=place, barrier=session.barrier,
+                               continuing=continuing, iteration=start_iteration, payload=payload,
+                               attach_with="session.protect in a shadow or a restart")
     if continuing:
         payload = engine.resume()  # L3 shadows wait here, fully built
         engine.resumed()

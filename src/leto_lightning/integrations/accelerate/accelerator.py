@@ -52,12 +52,12 @@ from ...env import NODE_RANK, under_launcher
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
 from ...runtime import per_rank
-from ...runtime.engine import RankPlace, TrainerEngine
+from ...runtime.engine import RankPlace, TrainerEngine, agreed_new_job_id
 from ...runtime.link import RuntimeLink
 from ...updater.fsdp2 import RetainedFSDP2
 from ...updater.retained_optimizer import RetainedOptimizer
 from . import checkpoint, fallback, fsdp2, zero1
-from .binding import agreed_job_id, bind_replicated, param_names
+from .binding import param_names
 from .checks import WHO, check_distributed, refuse_unsupported, the_optimizer
 from .config import LetoConfig
 from .internals import is_accelerate_prepared, prepared_models, prepared_optimizers, register_optimizer
@@ -230,7 +230,7 @@ class LetoAccelerator(Accelerator):
                     ro.mark_received(i)
 
     def _bind_now(self, prepared: LetoAcceleratedOptimizer) -> None:
-        job = self.leto_options.resolved_job_id() or agreed_job_id(self.num_processes)
+        job = self.leto_options.resolved_job_id() or agreed_new_job_id(self.num_processes)
         continuing = self.engine.continues(self.leto_options.resume_requested())
         self.leto_state.bound(continuing)
         if self.is_fsdp2:
@@ -269,8 +269,9 @@ class LetoAccelerator(Accelerator):
                                rollback_window=rollback)
             self.engine.adopt(owned, continuing)
         else:
-            bind_replicated(self.engine, prepared.optimizer, self.retained_config, job, self._place(), names, barrier,
-                            _weak(self._payload), rollback, continuing)
+            self.engine.bind_replicated(prepared.optimizer, self.retained_config, job_id=job, place=self._place(),
+                                        barrier=barrier, continuing=continuing, payload_fn=_weak(self._payload),
+                                        names=names, rollback_window=rollback)
 
     def _place(self) -> RankPlace:
         env = os.environ

@@ -19,46 +19,7 @@ Three cases:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-
-from ...env import ProcessSettings, job_prefix
-from ...retained.config import RetainedConfig
-from ...retained.shm import new_job_id
-from ...retained.store import RetainedStore, StoreSpec
-from ...runtime.engine import RankPlace, TrainerEngine
-from ...updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
-
-
-def bind_replicated(engine: TrainerEngine, optimizer: torch.optim.Optimizer, config: RetainedConfig, job_id: str,
-                    place: RankPlace, names: dict, barrier: Callable[[], None] | None,
-                    payload_fn: Callable[[], Any], rollback_window: bool, continuing: bool) -> RetainedOptimizer:
-    """This rank's store through the engine: a new one (bound, encoded -- tier 2 too -- and
-    marked complete), or, continuing, the existing one's views (``resume()`` once promoted)."""
-
-    def bind(store: RetainedStore) -> RetainedOptimizer:
-        ro = RetainedOptimizer(optimizer, store, barrier, payload_fn, rollback_window=rollback_window,
-                               settings=ProcessSettings.from_env())
-        ro.bind(adopt=continuing, resume=False)
-        return ro
-
-    if continuing:
-        return engine.attach(job_id, place.rank, bind)
-    config = config_for(config, optimizer)
-    config.check_devices(place.local_world_size)
-    layout = layout_for(optimizer, config, names, whole_state=rollback_window)
-    spec = StoreSpec(job_id, place.rank, place.node, place.local_rank, place.local_world_size, layout, config)
-    return engine.create(spec, bind, barrier=barrier, attach_with="LETO_RESUME=retained")
-
-
-def agreed_job_id(world_size: int) -> str:
-    """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
-    job = [new_job_id(job_prefix())]
-    if world_size > 1 and torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(job, src=0)
-    return job[0]
 
 
 def param_names(models: list[torch.nn.Module]) -> dict:

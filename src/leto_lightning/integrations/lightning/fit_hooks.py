@@ -30,12 +30,10 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ...env import job_prefix
 from ...errors import ConfigurationError, UsageError
 from ...faults.points import point
 from ...retained.config import RetainedConfig
-from ...retained.shm import new_job_id
-from ...runtime.engine import TrainerEngine
+from ...runtime.engine import TrainerEngine, agreed_new_job_id
 from ...runtime.link import RuntimeLink
 from ...runtime.messages import TrainerPhase
 from ...runtime.storage import restore_replaced
@@ -232,15 +230,8 @@ class LetoFitHooks(ParallelStrategy):
         optimizer = the_optimizer(self, trainer)
         if self.fit_state.mode is FitMode.NONE:  # a fit the launcher did not see (no resolve_fit_ckpt_path)
             self.fit_state.begin(FitMode.FRESH)
-        self.job_id = self.leto_options.resolved_job_id() or self.job_id or self._agreed_new_job_id()
+        self.job_id = self.leto_options.resolved_job_id() or self.job_id or agreed_new_job_id(self.world_size)
         return optimizer
-
-    def _agreed_new_job_id(self) -> str:
-        """A fresh job id, the same on every rank (rank 0's): tier 2 attaches the peers' stores."""
-        job = new_job_id(job_prefix())
-        if self.world_size > 1 and torch.distributed.is_initialized():
-            job = self.broadcast(job, src=0)
-        return job
 
     def _prepare_barrier(self) -> Callable[[], None] | None:
         """No chunk of an iteration commits before every rank prepared it (docs/design.md 2.3)."""
