@@ -61,6 +61,9 @@ class StoreSpec:
     layout: StoreLayout
     config: RetainedConfig
     device_manager: str = ""  # backend="cuda": address of the state manager holding data and undo
+    # every rank of the data-parallel group holds this same state (DDP): a lost rank's store can be
+    # rebuilt from any other's (runtime/transfer.py); False for shards (FSDP2, ZeRO-1)
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if self.config.backend not in ("cpu", "cuda"):
@@ -150,7 +153,7 @@ class StoreSpec:
             tuple(Region(**r) for r in lay["regions"]),
             tuple(dict(h) for h in lay["group_hparams"]), _generic_state(lay["generic"]))
         return cls(d["job_id"], d["rank"], d["node"], d["local_rank"], d["n_local"], layout,
-                   RetainedConfig(**d["config"]), d.get("device_manager", ""))
+                   RetainedConfig(**d["config"]), d.get("device_manager", ""), bool(d.get("replicated", False)))
 
     def spec_bytes(self) -> int:
         """Size of the spec segment: the marks' page and two slots holding the JSON."""

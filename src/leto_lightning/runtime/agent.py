@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -42,10 +43,13 @@ from .event_types import (
     JobFinished,
     JobStarted,
     RunDirLockTakenOver,
+    SpareJoined,
 )
 from .event_types import JobInterrupted as JobInterruptedEvent  # phases.JobInterrupted: the exception
 from .event_types import JobStopped as JobStoppedEvent
 from .events import EventLog
+from .membership import AgentBeat, Membership, beat_interval
+from .messages import NodeAssignment
 from .phases import JOB_TRANSITIONS, JobInterrupted, JobPhase, JobStopped, PhaseTracker
 from .reclaim import ReclaimConfig, ReclaimPolicy, ShadowReclaimer, check_supported
 from .recovery_flow import Recovery
@@ -96,6 +100,9 @@ class Agent:
         self.thread_defaults = omp_defaults(spec.nproc_per_node)  # torchrun's rule, decided once
         self.state_managers = NodeStateManagers({})  # CUDA memory owners, launched with the job
         self.xids = XidMonitor()  # GPU Xid events, registered with the job
+        self._policy = ReclaimPolicy.for_launch(reclaim, self.config) if reclaim is not None else None
+        self._beat: AgentBeat | None = None  # a job with spares: this agent's beat (runtime/membership.py)
+        self._warm: Trainers | None = None  # a spare: holds its warm template until it takes over
 
     @property
     def phase(self) -> JobPhase:
@@ -117,7 +124,17 @@ class Agent:
             say(omp, self.out)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            parts = self._parts = self._assemble(self._start_store())
+            store = self._start_store()
+            membership = Membership(store, self.spec, self.config.node_timeout, self.config.startup_timeout)
+            if membership.watching:
+                self._beat = AgentBeat(self._signed_client(), self.spec.node_rank,
+                                       beat_interval(self.config.node_timeout)).start()
+            assignment = self._wait_as_spare(store, membership) if self.spec.is_spare else None
+            if self.spec.is_spare:  # the job finished without needing this spare
+                self._advance(JobPhase.RUNNING)
+                self._advance(JobPhase.FINISHED)
+                return 0
+            parts = self._parts = self._assemble(store, membership)
             self.job.agreed(parts.lockstep.shared_job_id(self.job.job_id))
             self.state_managers = NodeStateManagers.launch(self.spec.run_dir, self.job.job_id,
                                                          range(self.spec.nproc_per_node))
@@ -128,9 +145,14 @@ class Agent:
             self.events.write(JobStarted(generation=0, port=self.port, world_size=self.spec.world_size,
                                          job_id=self.job.job_id, node_rank=self.spec.node_rank,
                                          script=self.spec.script, pid=os.getpid()))
-            parts.trainers.start_actives(resume=ResumeMode.FRESH)
-            parts.trainers.start_shadows()
-            parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
+            if assignment is not None:  # a spare taking over a lost node: it joins the survivors' recovery
+                if self._warm is not None:
+                    parts.trainers.template, self._warm.template = self._warm.template, None
+                parts.recovery.join(assignment)
+            else:
+                parts.trainers.start_actives(resume=ResumeMode.FRESH)
+                parts.trainers.start_shadows()
+                parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
             self._advance(JobPhase.RUNNING)
             return self._loop(parts)
         except JobInterrupted as exc:
@@ -138,10 +160,13 @@ class Agent:
             self.events.try_write(JobInterruptedEvent(generation=self.job.generation, signal=exc.signum))
             notice(f"job {exc}: trainers stopped, retained memory freed", self.out)
             return 128 + exc.signum
-        except (JobStopped, StorageError) as exc:  # a full run dir: no restart can help
+        except (JobStopped, StorageError, dist.DistNetworkError) as exc:  # a full run dir: no restart can help
+            reason = str(exc) if not isinstance(exc, dist.DistNetworkError) else (
+                "the job's store is gone (node 0's agent stopped or its machine was lost): "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
             self._advance(JobPhase.STOPPED)
-            self.events.try_write(JobStoppedEvent(generation=self.job.generation, reason=str(exc)))
-            notice(f"job stopped: {exc}", self.out)
+            self.events.try_write(JobStoppedEvent(generation=self.job.generation, reason=reason))
+            notice(f"job stopped: {reason}", self.out)
             return 3
         finally:
             self._shutdown()
@@ -171,6 +196,39 @@ class Agent:
                     parts.reclaimer.poll()
             self.stop.wait(self.config.poll_interval)
 
+    def _wait_as_spare(self, store: SignedStore, membership: Membership) -> NodeAssignment | None:
+        """A spare: warm up (the script's imports in a warm template) and wait until a lost
+        node's slot is assigned to it; then this agent is that node's (``self.spec``)."""
+        t0 = time.time()
+        launch = self.spec.node_rank
+        self._warm = self._trainers(self.spec.taking_over(self.spec.nnodes - 1), store)  # only for the template
+        self._warm.start_template()
+        notice(f"spare agent {launch}: warm, waiting to take over a lost node", self.out)
+        assignment = membership.wait_assignment(self.stop.check, self.config.poll_interval)
+        if assignment is None:
+            notice(f"spare agent {launch}: the job finished without needing it", self.out)
+            return None
+        self.spec = self.spec.taking_over(assignment.node)
+        self.events.write(SpareJoined(generation=assignment.generation, node=assignment.node, spare=launch,
+                                      waited_s=round(time.time() - t0, 4)))
+        notice(f"spare agent {launch}: takes over node {assignment.node}", self.out)
+        return assignment
+
+    def _trainers(self, spec: LaunchSpec, store: SignedStore) -> Trainers:
+        c, policy = self.config, self._policy
+        level = (lambda: int(policy.level)) if policy is not None else (lambda: c.shadow_level)
+        return Trainers(spec, c, self.job, store, self.events, self.out, self.stop, self.secret, self.port,
+                        self.thread_defaults, level)
+
+    def _signed_client(self) -> SignedStore:
+        """A connection of its own to the job's store (for the agent's beat thread)."""
+        s = self.spec
+        raw: dist.Store = dist.TCPStore(s.master_addr, self.port, world_size=None, is_master=False,
+                                        timeout=timedelta(seconds=60), wait_for_workers=False)
+        if s.store_prefix:
+            raw = dist.PrefixStore(s.store_prefix, raw)
+        return SignedStore(raw, self.secret, s.store_prefix, self._message_rejected)
+
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stop.request(signum)
 
@@ -196,15 +254,15 @@ class Agent:
         self.secret = job_key(raw, s.node_rank, secret, self.config.startup_timeout, self.stop.check)
         return SignedStore(raw, self.secret, s.store_prefix, self._message_rejected)
 
-    def _assemble(self, store: SignedStore) -> _Parts:
+    def _assemble(self, store: SignedStore, membership: Membership) -> _Parts:
         s, c = self.spec, self.config
-        policy = ReclaimPolicy.for_launch(self._reclaim, c) if self._reclaim is not None else None
-        level = (lambda: int(policy.level)) if policy is not None else (lambda: c.shadow_level)
-        lockstep = NodeLockstep(store, s, self.job, self.stop, c.startup_timeout, c.poll_interval)
-        trainers = Trainers(s, c, self.job, store, self.events, self.out, self.stop, self.secret, self.port,
-                            self.thread_defaults, level)
+        policy = self._policy
+        watched = membership if membership.watching else None
+        lockstep = NodeLockstep(store, s, self.job, self.stop, c.startup_timeout, c.poll_interval, watched)
+        trainers = self._trainers(s, store)
         detector = Detector(s, c, store, self.job, trainers, self.stop)
         recovery = Recovery(s, c, store, self.job, trainers, detector, lockstep, self.stop, self.events, self.out)
+        detector.membership = recovery.membership = watched
         reclaimer = None
         if self._reclaim is not None and policy is not None:
             reclaimer = ShadowReclaimer(self._reclaim, policy, trainers, self.job, store, self.events, self.out,
@@ -221,6 +279,10 @@ class Agent:
         if parts is not None:
             parts.trainers.stop_all()
             parts.trainers.close_template()
+        if self._warm is not None:
+            self._warm.close_template()
+        if self._beat is not None:
+            self._beat.close()
         for job in self.job.all_job_ids:
             unlink_segments(job)
         self.state_managers.shutdown()  # frees the retained device memory

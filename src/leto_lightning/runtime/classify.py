@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 import signal as _signal
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ..env import Role
 from .config import ClassificationRule, RuntimeConfig
 from .messages import TrainerPhase, Verdict
+from .spec import LaunchSpec
 from .xid import xid_verdict
 
 
@@ -26,6 +28,7 @@ class FailedRole(StrEnum):
     ACTIVE = Role.ACTIVE.value
     SHADOW = Role.SHADOW.value
     REMOTE = "remote"
+    NODE = "node"  # a whole node: its agent stopped beating (runtime/membership.py)
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,21 @@ class Failure:
         return f"exit code {self.exit_code}" if self.exit_code is not None else None
 
     def describe(self) -> str:
+        if self.role is FailedRole.NODE:
+            return self.exception or f"the node of rank {self.rank} lost"
         if self.hang:
             return f"rank {self.rank} hung (no heartbeat)"
         if self.signal is not None:
             return f"rank {self.rank} killed by {_signal.Signals(self.signal).name}"
         said = f" ({self.exception})" if self.exception else ""
         return f"rank {self.rank} exited with code {self.exit_code}{said}"
+
+
+def node_lost_failure(nodes: list[int], spec: LaunchSpec, why: str) -> Failure:
+    """The failure of whole nodes (their agents, trainers, memory and devices): named by the
+    first rank of the first."""
+    return Failure(rank=nodes[0] * spec.nproc_per_node, pid=None, role=FailedRole.NODE, detected_at=time.time(),
+                   exception=f"node(s) {nodes} lost: {why}")
 
 
 _REPORTED = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")  # what a trainer reports: "<type name>: <message>"

@@ -15,12 +15,16 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .control import SignedStore
-from .keys import JOB_ID, NODE_DONE, NODE_STEP
+from .keys import JOB_ID, JOB_OVER, NODE_DONE, NODE_STEP
 from .messages import M
-from .phases import JobInterrupted, JobStopped
+from .phases import JobInterrupted, JobStopped, NodeLost
 from .spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from .membership import Membership
 
 
 class StopFlag:
@@ -74,19 +78,29 @@ class NodeLockstep:
     """The job's node agents waiting for each other through the store."""
 
     def __init__(self, store: SignedStore, spec: LaunchSpec, job: JobIdentity, stop: StopFlag,
-                 timeout_s: float, poll_s: float) -> None:
+                 timeout_s: float, poll_s: float, membership: Membership | None = None) -> None:
         self.store, self.spec, self.job, self.stop = store, spec, job, stop
         self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.membership = membership  # a job with spares: a lost node ends a wait (NodeLost)
 
-    def wait_keys(self, names: list[str], what: str) -> None:
-        """Wait (at most the start-up timeout) until the store has ``names``; a stop request ends it."""
+    def wait_keys(self, names: list[str], what: str, nodes: list[int] | None = None) -> None:
+        """Wait (at most the start-up timeout) until the store has ``names``; a stop request ends
+        it, and so does the loss of a node whose key (``names[i]`` is node ``nodes[i]``'s) is missing."""
         deadline = time.time() + self.timeout_s
         while not self.store.check(names):
             self.stop.check()
+            self._check_lost(names, nodes)
             if time.time() > deadline:
                 raise JobStopped(f"waited {self.timeout_s:.0f} s for {what} (--startup-timeout); "
                                  "is another node's agent gone?")
             self.stop.wait(self.poll_s)
+
+    def _check_lost(self, names: list[str], nodes: list[int] | None) -> None:
+        if self.membership is None or nodes is None:
+            return
+        lost = [n for name, n in zip(names, nodes) if n in self.membership.lost() and not self.store.check([name])]
+        if lost:
+            raise NodeLost(lost)
 
     def sync(self, message: M) -> list[M]:
         """Lockstep point of a recovery across the job's node agents (the step is the message's
@@ -95,7 +109,7 @@ class NodeLockstep:
         self.store.set(NODE_STEP.format(gen=gen, step=step, node=self.spec.node_rank), json.dumps(message.to_dict()))
         names = [NODE_STEP.format(gen=gen, step=step, node=n) for n in nodes]
         while True:
-            self.wait_keys(names, f"every node's agent to reach recovery step {step!r}")
+            self.wait_keys(names, f"every node's agent to reach recovery step {step!r}", list(nodes))
             values = [self.store.read(k) for k in names]
             if all(v is not None for v in values):  # else one vanished after the check: wait again
                 return [type(message).from_dict(json.loads(v)) for v in values if v is not None]
@@ -116,3 +130,4 @@ class NodeLockstep:
         if self.spec.node_rank == 0:
             every_node = [NODE_DONE.format(node=n) for n in range(self.spec.nnodes)]
             self.wait_keys(every_node, "every node's trainers to finish")
+            self.store.set(JOB_OVER, "1")  # spares still waiting exit

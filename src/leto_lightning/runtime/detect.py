@@ -11,11 +11,12 @@ from __future__ import annotations
 import signal
 import time
 
-from .classify import FailedRole, Failure, printed_exception, stops_the_job
+from .classify import FailedRole, Failure, node_lost_failure, printed_exception, stops_the_job
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, StopFlag
 from .keys import EXCEPTION, FAILURE, FINISHED, HEARTBEAT
+from .membership import Membership
 from .messages import Heartbeat, Verdict
 from .procs import TrainerProcess
 from .spec import LaunchSpec
@@ -30,6 +31,7 @@ class Detector:
         self.spec, self.config, self.store, self.job = spec, config, store, job
         self.trainers, self.stop = trainers, stop
         self.last_poll = time.time()  # the last poll that saw nothing wrong
+        self.membership: Membership | None = None  # a job with spares: whole nodes are watched too
 
     def finished(self) -> int | None:
         """0 once every active trainer exited 0 or said it completed training, else None."""
@@ -68,6 +70,9 @@ class Detector:
         if exited:  # its peers die of it in their collectives: blame the likeliest cause (a failure no
             # restart fixes, then a signal death rather than a peer's "connection closed"), else the first rank
             return min(exited, key=lambda f: (not stops_the_job(f, self.config), f.signal is None))
+        lost = self.membership.lost() if self.membership is not None else []
+        if lost:  # its trainers' peers here block in collectives: the node is the cause, not them
+            return node_lost_failure(lost, self.spec, "its agent stopped beating")
         hung = [p for p in actives.values() if p.poll() is None and self._hung(p, now)]
         if hung:
             p = min(hung, key=lambda p: (not stopped(p.pid), self._beat_time(p.rank)))

@@ -235,6 +235,41 @@ class FallbackCheckpoint(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeLostEvent(Event):
+    """A node's agent stopped beating: its slot, the agent that held it, the spare taking over
+    (None: none left, the job stops)."""
+
+    NAME = "node_lost"
+    node: int
+    agent: int
+    spare: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareJoined(Event):
+    """This spare agent took over a lost node's slot after waiting warm for ``waited_s``."""
+
+    NAME = "spare_joined"
+    node: int
+    spare: int
+    waited_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateTransferred(Event):
+    """One side of moving a lost node's retained state from a replica node to its spare."""
+
+    NAME = "state_transferred"
+    node: int
+    source: int
+    side: str  # "source" or "receiver"
+    bytes: int
+    seconds: float
+    pages_verified: int | None  # the receiver: pages checked against the source's page checksums
+    problem: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointRestartFinished(Event):
     NAME = "checkpoint_restart_finished"
     total_s: float
@@ -264,7 +299,8 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.NAME: cls for cls in (
     JobStarted, JobStopped, JobInterrupted, JobFinished, RunDirLockTakenOver, ProcessStarted, WarmTemplateReport,
     ShadowLevelReached, ShadowFailed, ShadowLevelChanged, MemoryOverBudget, FailureDetected, Classification,
     RecoveryStarted, ShadowsPromoted, ColdStart, RecoveryFailed, RecoveryFinished, FallbackCheckpoint,
-    CheckpointRestartFinished, ControlMessageRejected, ControlKeyMissing)}
+    CheckpointRestartFinished, NodeLostEvent, SpareJoined, StateTransferred, ControlMessageRejected,
+    ControlKeyMissing)}
 
 
 def payload_fields(cls: type[Event]) -> tuple[dataclasses.Field, ...]:

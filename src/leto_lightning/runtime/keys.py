@@ -19,3 +19,12 @@ NODE_STEP = "node/{gen}/{step}/{node}"  # a node reached a lockstep point of a r
 SHADOW_REPLACE = "sreplace/{gen}"  # counter: shadow sets replaced in generation gen (all nodes follow)
 FINISHED = "finished/{gen}/{rank}"  # a trainer completed training; an abnormal exit after it is not a failure
 JOB_ID = "jobid/{gen}"  # per-rank agents: the retained-memory job id from generation gen on (first writer wins)
+# -- hot spares (runtime/membership.py, runtime/transfer.py) --
+AGENT_BEAT = "agent/{launch}"  # counter: the agent of launch node rank ``launch`` is alive (it changes)
+SLOT_HOLDER = "slot/{node}"  # json NodeAssignment: the spare that holds node slot ``node`` now (unset: its own agent)
+REPLACE = "replace/{gen}/{node}"  # the spare (launch node rank) chosen for node slot ``node`` in generation gen
+SPARE_ASSIGN = "assign/{launch}"  # json NodeAssignment: spare ``launch`` takes over a node slot
+TRANSFER = "xfer/{gen}/{node}/"  # namespace of one state transfer to the spare of node slot ``node``
+TRANSFER_MANIFEST = "xfer/{gen}/{node}/manifest"  # json TransferManifest: what the source sends, with digests
+TRANSFER_DONE = "xfer/{gen}/{node}/done"  # the receiving spare verified every segment (or says why not)
+JOB_OVER = "job/over"  # node 0: every node finished; spares still waiting exit

@@ -31,6 +31,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, default=int(env.get("LOCAL_WORLD_SIZE", 1)))
     p.add_argument("--nnodes", type=int, default=int(env.get("SLURM_NNODES", env.get("NNODES", 1))))
     p.add_argument("--node-rank", type=int, default=int(env.get("SLURM_NODEID", env.get("NODE_RANK", 0))))
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="hot spare nodes: start `leto launch` on NNODES + K nodes, node ranks NNODES..NNODES+K-1 "
+                        "wait warm and take over a lost node (its machine, memory or device gone) with its ranks' "
+                        "state from a data-parallel replica, no checkpoint restart (docs/spares.md). Needs "
+                        "--nnodes 2 or more: node 0 hosts the job's store")
+    p.add_argument("--node-timeout", type=float, default=30.0,
+                   help="with --spares: seconds without a beat from a node's agent before the node counts as lost")
     p.add_argument("--master-addr", default=env.get("MASTER_ADDR", "127.0.0.1"))
     p.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT", 0)),
                    help="TCPStore port (0: a free port; single node only)")
@@ -82,13 +89,14 @@ def run(args: argparse.Namespace) -> int:
                       master_port=args.master_port, run_dir=run_dir,
                       faults=parse_faults(args.faults), trainer_layout=args.trainer_layout,
                       external_store=args.external_store, store_prefix=args.store_prefix,
-                      run_dir_mode=args.run_dir_mode, secret_file=args.secret_file)
+                      run_dir_mode=args.run_dir_mode, secret_file=args.secret_file, spares=args.spares)
     rules = tuple(ClassificationRule(False, f"exit code {c} declared non-HOF (--non-hof-exit-code)", exit_code=c)
                   for c in args.non_hof_exit_code)
     config = RuntimeConfig(heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
                            shadow_level=args.shadow_level, shadows=not args.no_shadows,
                            warm_template=not args.no_warm_template and warm_template_enabled(),
-                           max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules)
+                           max_failures=args.max_failures, failure_window=args.failure_window, extra_rules=rules,
+                           node_timeout=args.node_timeout)
     return Agent(spec, config, reclaim=reclaim_config_from_args(args)).run()
 
 

@@ -10,6 +10,10 @@ reader (``from_json`` / ``from_dict``); the store holds the JSON.
 - ``NodeSummary``  agent -> agents (``keys.NODE_STEP``, step ``summary``): each rank's progress
   record as this node found it (``updater.recovery.RankProgress``), or why this node could not
   repair its stores
+- ``NodeAssignment`` agent -> agents and the spare (``keys.SPARE_ASSIGN``, ``keys.SLOT_HOLDER``):
+  a spare takes over a lost node's slot
+- ``TransferManifest`` source agent -> spare (``keys.TRANSFER_MANIFEST``): the segments it sends
+  over the transfer's process group, each with its SHA-256 (the channel itself is unsigned)
 """
 
 from __future__ import annotations
@@ -204,3 +208,47 @@ class NodeShadowsReady:
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> NodeShadowsReady:
         return cls(bool(value["ready"]))
+
+
+@dataclass(frozen=True)
+class NodeAssignment:
+    """Spare agent ``spare`` (its launch node rank) holds node slot ``node`` from ``generation`` on."""
+
+    node: int
+    generation: int
+    spare: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> NodeAssignment:
+        return cls(**_fields(raw, "node assignment"))
+
+
+@dataclass(frozen=True)
+class SegmentDigest:
+    """One segment a transfer sends: which (``r<local rank>-<what>`` or ``parity2``), its size
+    and SHA-256."""
+
+    name: str
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TransferManifest:
+    """What the source node sends the spare of ``node`` (in this order), or why it cannot."""
+
+    source: int  # the node slot that sends
+    segments: tuple[SegmentDigest, ...] = ()
+    problem: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"source": self.source, "segments": [asdict(d) for d in self.segments],
+                           "problem": self.problem})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> TransferManifest:
+        value = _fields(raw, "transfer manifest")
+        return cls(int(value["source"]), tuple(SegmentDigest(**d) for d in value["segments"]), value.get("problem"))

@@ -16,9 +16,9 @@ raised, never silently taken. Every phase is also visible in the event log (docs
 
     IDLE        -> CLASSIFYING                     a failure was detected
     CLASSIFYING -> STOPPING | RESTARTING           HOF: recover in place; else checkpoint restart
-    STOPPING    -> REPAIRING                       every active trainer stopped, on every node
-    REPAIRING   -> PROMOTING | RESTARTING          retained state repaired / unusable
-    PROMOTING   -> RESUMING                        shadows promoted or cold trainers started
+    STOPPING    -> REPAIRING | CLASSIFYING         every active trainer stopped, on every node / a node lost
+    REPAIRING   -> PROMOTING | RESTARTING | CLASSIFYING  retained state repaired / unusable / a node lost
+    PROMOTING   -> RESUMING | CLASSIFYING          shadows promoted or cold trainers started / a node lost
     RESUMING    -> CONFIRMING | CLASSIFYING        every rank resumed / one failed meanwhile
     CONFIRMING  -> IDLE | CLASSIFYING              every rank finished an iteration / one failed first
     RESTARTING  -> IDLE                            the trainers restart from the last checkpoint
@@ -43,6 +43,15 @@ class IllegalTransition(InternalError):
 
 class JobStopped(LetoError):
     """The job cannot go on (failure budget, no recovery path); the message says why."""
+
+
+class NodeLost(LetoError):
+    """The agent of another node stopped beating (``membership.Membership.lost``): its slots
+    need a spare before any lockstep step can complete."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        super().__init__(f"node(s) {nodes} lost: their agents stopped beating")
+        self.nodes = nodes
 
 
 class JobInterrupted(LetoError):
@@ -86,9 +95,9 @@ JOB_TRANSITIONS: Mapping[JobPhase, frozenset[JobPhase]] = {
 RECOVERY_TRANSITIONS: Mapping[RecoveryPhase, frozenset[RecoveryPhase]] = {
     _R.IDLE: frozenset({_R.CLASSIFYING}),
     _R.CLASSIFYING: frozenset({_R.STOPPING, _R.RESTARTING}),
-    _R.STOPPING: frozenset({_R.REPAIRING}),
-    _R.REPAIRING: frozenset({_R.PROMOTING, _R.RESTARTING}),
-    _R.PROMOTING: frozenset({_R.RESUMING}),
+    _R.STOPPING: frozenset({_R.REPAIRING, _R.CLASSIFYING}),
+    _R.REPAIRING: frozenset({_R.PROMOTING, _R.RESTARTING, _R.CLASSIFYING}),
+    _R.PROMOTING: frozenset({_R.RESUMING, _R.CLASSIFYING}),
     _R.RESUMING: frozenset({_R.CONFIRMING, _R.CLASSIFYING}),
     _R.CONFIRMING: frozenset({_R.IDLE, _R.CLASSIFYING}),
     _R.RESTARTING: frozenset({_R.IDLE}),

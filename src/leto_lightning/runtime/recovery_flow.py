@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from datetime import timedelta
 from typing import TextIO
 
 from ..console import notice
 from ..env import ResumeMode, job_prefix
 from ..errors import RetainedStateError
 from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
-from .classify import Failure, classify, device_health
+from .classify import FailedRole, Failure, classify, device_health, node_lost_failure
 from .config import RuntimeConfig
 from .control import SignedStore
 from .coordination import JobIdentity, NodeLockstep, StopFlag
@@ -42,19 +43,32 @@ from .event_types import (
     ColdStart,
     FailureDetected,
     FallbackCheckpoint,
+    NodeLostEvent,
     RecoveryFailed,
     RecoveryFinished,
     RecoveryStarted,
     ShadowsPromoted,
+    StateTransferred,
 )
 from .events import EventLog
 from .keys import FAILURE, FIRST_DONE, RESUMED, SHADOWS_READY, STORE_READY
-from .messages import FirstDone, NodeRecovered, NodeShadowsReady, NodeStopped, ResumeInfo, TrainerPhase, Verdict
-from .phases import RECOVERY_TRANSITIONS, JobStopped, PhaseTracker, RecoveryPhase
+from .membership import Membership
+from .messages import (
+    FirstDone,
+    NodeAssignment,
+    NodeRecovered,
+    NodeShadowsReady,
+    NodeStopped,
+    ResumeInfo,
+    TrainerPhase,
+    Verdict,
+)
+from .phases import RECOVERY_TRANSITIONS, JobStopped, NodeLost, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
-from .repair_step import RepairOutcome, repair_node_stores
+from .repair_step import RepairOutcome, SummaryExchange, repair_node_stores
 from .spec import LaunchSpec
 from .trainers import Trainers, stopped
+from .transfer import receive_node_state, send_node_state
 from .xid import XidMonitor
 
 log = logging.getLogger(__name__)
@@ -75,6 +89,9 @@ class Recovery:
         # a checkpoint restart, until every rank's first iteration: (failure time, failed iteration)
         self._restart: tuple[float, int | None] | None = None
         self.xids = XidMonitor()  # the agent's, registered at job start (none: classified without Xids)
+        self.membership: Membership | None = None  # a job with spares: lost nodes get one (runtime/membership.py)
+        self._incoming: dict[int, NodeAssignment] = {}  # this recovery's lost slots and their spares
+        self._joining: NodeAssignment | None = None  # a spare: the slot it takes over in this recovery
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -110,6 +127,8 @@ class Recovery:
             generation=gen, rank=failure.rank, pid=failure.pid, role=failure.role, exit_code=failure.exit_code,
             signal=failure.signal, exception=failure.exception, hang=failure.hang, phase=failure.phase,
             iteration=failure.iteration))
+        if failure.role is FailedRole.NODE:  # its slot gets a spare in the in-place recovery's first step
+            return self._in_place(failure)
         verdict = self._job_verdict(failure)
         self.events.write(Classification(generation=gen, rank=failure.rank, hof=verdict.hof, reason=verdict.reason,
                                          device=verdict.device, node=verdict.node))
@@ -118,7 +137,7 @@ class Recovery:
         if verdict.stop:
             raise JobStopped(f"{failure.describe()}: {verdict.reason}")
         if verdict.hof:
-            return self._recover_in_place(failure)
+            return self._in_place(failure)
         self._restart = (failure.detected_at, failure.iteration)
         return self._restart_from_checkpoint(f"non-HOF failure: {verdict.reason}")
 
@@ -161,15 +180,31 @@ class Recovery:
             )
 
     # -- in place ------------------------------------------------------------------------------
+    def join(self, assignment: NodeAssignment) -> None:
+        """A spare agent takes over a lost slot: it enters the survivors' in-place recovery of
+        ``assignment.generation`` at its first step, with the slot's state coming by transfer."""
+        self.job.generation = assignment.generation - 1  # the recovery below enters the assignment's generation
+        self._joining = assignment
+        self.handle(node_lost_failure([assignment.node], self.spec, "this spare takes its place"))
+
+    def _in_place(self, failure: Failure) -> Failure | None:
+        """Recover in place; a node lost meanwhile is the next failure (its slot gets a spare)."""
+        try:
+            return self._recover_in_place(failure)
+        except NodeLost as lost:
+            self.events.write(RecoveryFailed(generation=self.job.generation, rank=failure.rank, reason=str(lost)))
+            return node_lost_failure(lost.nodes, self.spec, "its agent stopped beating")
+
     def _recover_in_place(self, failure: Failure) -> Failure | None:
         self._advance(Phase.STOPPING)
         t_fail = failure.hung_since if failure.hang and failure.hung_since else self.detector.last_poll
         t_fail = min(t_fail, failure.detected_at)
         timing = RecoveryTiming(detect=failure.detected_at - t_fail)
         gen = self.job.next_generation()
+        self._incoming = {}
         self.events.write(RecoveryStarted(generation=gen, cause_rank=failure.rank, hof=True))
         self.trainers.stop_actives()
-        self.lockstep.sync(NodeStopped())  # no node touches retained state while another still trains
+        self._sync_replacing_lost(NodeStopped())  # no node touches retained state while another still trains
         t1 = time.time()
         timing.stop = t1 - failure.detected_at
         self._advance(Phase.REPAIRING)
@@ -200,14 +235,45 @@ class Recovery:
             self.trainers.start_shadows()  # in the background: training goes on meanwhile
         return None  # deferred: started once the first iteration after resuming completed
 
+    def _sync_replacing_lost(self, message: NodeStopped) -> None:
+        """The recovery's first lockstep step; a lost node's slot is given a spare, which
+        then takes this step in its place."""
+        while True:
+            try:
+                self.lockstep.sync(message)
+                return
+            except NodeLost as lost:
+                for node in lost.nodes:
+                    self._replace(node)
+
+    def _replace(self, node: int) -> None:
+        gen = self.job.generation
+        holder = self.membership.holder(node) if self.membership is not None else node
+        assignment = self.membership.claim_spare(node, gen) if self.membership is not None and node else None
+        self.events.write(NodeLostEvent(generation=gen, node=node, agent=holder,
+                                        spare=assignment.spare if assignment is not None else None))
+        if assignment is None:
+            why = ("it hosts the job's store" if node == 0 else
+                   f"no spare is left (--spares {self.spec.spares}: every one in use or gone)")
+            raise JobStopped(f"node {node} lost (its agent stopped beating for {self.config.node_timeout:.0f} s) and "
+                             f"cannot be replaced: {why}. The job cannot go on at its size: relaunch it, the script "
+                             "resumes from its last checkpoint")
+        notice(f"node {node} lost: spare agent {assignment.spare} takes its place with its ranks' state from a "
+               "replica", self.out)
+        self._incoming[node] = assignment
+
     def _repair_job_retained(self) -> RepairOutcome:
-        """Repair this node's retained stores; then every node learns whether all of them could
-        (else all restart from the checkpoint) and the job's resume iteration."""
+        """Repair this node's retained stores (a joining spare: receive them); then every node
+        learns whether all of them could (else all restart from the checkpoint) and the job's
+        resume iteration."""
         reports: dict = {}
-        problem = self._unready_store()
+        problem = None if self._joining is not None else self._unready_store()
         try:
-            if problem is None:
+            if self._joining is not None:
+                problem = self._receive_state(self._joining)
+            elif problem is None:
                 reports = repair_node_stores(self.job.job_id, self.spec, self.lockstep)
+                problem = self._send_state()
         except FileNotFoundError as exc:
             problem = (f"retained memory removed after set-up ({exc.filename or exc} is missing from /dev/shm): "
                        "something freed it while the job ran")
@@ -221,6 +287,38 @@ class Recovery:
         if not problems and not resumes:
             problems = ["no node repaired any retained store"]
         return RepairOutcome(reports, min(resumes, default=None), problems[0] if problems else None)
+
+    def _receive_state(self, assignment: NodeAssignment) -> str | None:
+        """A joining spare: take part in the job-wide roll-forward decision (with no ranks of its
+        own), then receive its slot's stores from the source node."""
+        self._joining = None
+        if assignment.generation != self.job.generation:  # another failure came first: the source sends nothing
+            return (f"the replacement of node {assignment.node} was interrupted by another failure before its state "
+                    "arrived: no replica state to resume from")
+        SummaryExchange(self.spec.node_rank, self.lockstep).agree({})
+        report = receive_node_state(self.store, self.job.job_id, self.spec.local_ranks, assignment.node,
+                                    assignment.generation, timedelta(seconds=self.config.startup_timeout))
+        self.events.write(StateTransferred(generation=self.job.generation, node=assignment.node, source=report.source,
+                                           side="receiver", bytes=report.nbytes, seconds=round(report.seconds, 4),
+                                           pages_verified=report.pages_verified, problem=report.problem))
+        return None if report.problem is None else f"state transfer to the spare of node {assignment.node}: " \
+                                                    f"{report.problem}"
+
+    def _send_state(self) -> str | None:
+        """The source node (the first surviving slot) sends its repaired stores to each spare."""
+        incoming, self._incoming = self._incoming, {}
+        survivors = [n for n in range(self.spec.nnodes) if n not in incoming]
+        if not incoming or self.spec.node_rank != survivors[0]:
+            return None
+        for node, assignment in sorted(incoming.items()):
+            report = send_node_state(self.store, self.job.job_id, self.spec.local_ranks, self.spec.node_rank, node,
+                                     assignment.generation, timedelta(seconds=self.config.startup_timeout))
+            self.events.write(StateTransferred(
+                generation=self.job.generation, node=node, source=report.source, side="source", bytes=report.nbytes,
+                seconds=round(report.seconds, 4), pages_verified=None, problem=report.problem))
+            if report.problem is not None:
+                return f"state transfer to the spare of node {node}: {report.problem}"
+        return None
 
     def _unready_store(self) -> str | None:
         """Why the stores this agent repairs cannot be used for resuming, if one never got its

@@ -8,6 +8,7 @@ repair, which device does a rank use).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -37,18 +38,46 @@ class LaunchSpec:
     store_prefix: str = ""  # namespace of the job's keys in that store
     run_dir_mode: int = DEFAULT_MODE  # the run dir's permissions; files get them without x bits
     secret_file: str | None = None  # the job's control-plane secret, the same on every node (runtime/auth.py)
+    # Hot spares (runtime/membership.py): launch node ranks nnodes .. nnodes + spares - 1 are spare
+    # agents that wait warm and take over a lost node's slot (its node rank) with its ranks' state.
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ConfigurationError(f"nproc_per_node={self.nproc_per_node} and nnodes={self.nnodes} must be >= 1")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigurationError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.spares < 0:
+            raise ConfigurationError(f"--spares {self.spares}: the number of spare nodes is 0 or more")
+        if not 0 <= self.node_rank < self.nnodes + self.spares:
+            spare = f" + spares={self.spares}" if self.spares else ""
+            raise ConfigurationError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes}{spare})")
+        if self.spares:
+            self._check_spares()
         if self.external_store and not self.master_port:
             raise ConfigurationError("an external store needs its --master-port")
         if not 0 <= self.master_port <= 65535:
             raise ConfigurationError(f"--master-port {self.master_port}: a TCP port is 1..65535 (0: pick a free one)")
         if self.trainer_layout is not None:
             self._check_layout(*self.trainer_layout)
+
+    def _check_spares(self) -> None:
+        if self.nnodes < 2:
+            raise ConfigurationError(
+                f"--spares {self.spares} with --nnodes {self.nnodes}: node 0 hosts the job's store and cannot be "
+                "replaced, so spares need a job of at least 2 training nodes")
+        if self.trainer_layout is not None or self.external_store:
+            raise ConfigurationError(
+                "--spares needs one `leto launch` agent per node hosting the job's store (not the per-rank agents "
+                "under torchrun/srun or an external store): start `leto launch --nnodes N --spares K` on N + K nodes")
+
+    @property
+    def is_spare(self) -> bool:
+        """A spare agent that holds no node slot (yet): it has no ranks to run."""
+        return self.node_rank >= self.nnodes
+
+    def taking_over(self, node: int) -> LaunchSpec:
+        """The spec of a spare that took over ``node``'s slot: that node's ranks, repair duty and
+        place in every lockstep step."""
+        return dataclasses.replace(self, node_rank=node)
 
     def _check_layout(self, local_rank: int, local_world_size: int, node: int) -> None:
         if self.nproc_per_node != 1:
