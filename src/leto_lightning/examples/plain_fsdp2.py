@@ -87,12 +87,20 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="under leto launch: a distributed checkpoint every N iterations (the agent's fallback)")
     p.add_argument("--out", default=None, help="where outputs go (default: the run dir under leto launch)")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP: R replica groups, each sharding the model over WORLD_SIZE / R ranks (a 2-D mesh; lay "
+                        "replicas out across nodes and a spare rebuilds a lost node's shards from another group)")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace) -> tuple[ShardedLM, torch.optim.AdamW]:
-    """The model, sharded over every rank (each block, then the root), and its optimizer."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    """The model, sharded over every rank (each block, then the root) -- or, with ``--hsdp R``,
+    over each of R replica groups -- and its optimizer."""
+    world = dist.get_world_size()
+    if args.hsdp < 1 or world % args.hsdp:
+        raise SystemExit(f"--hsdp {args.hsdp}: the number of replica groups must divide the world size {world}")
+    mesh = (init_device_mesh("cpu", (world,)) if args.hsdp == 1 else
+            init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard")))
     torch.manual_seed(0)  # the same initial weights on every rank, in every process
     model = ShardedLM(args.dim, args.hidden, args.blocks, args.dropout)
     for block in model.blocks:

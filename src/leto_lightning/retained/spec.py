@@ -61,9 +61,11 @@ class StoreSpec:
     layout: StoreLayout
     config: RetainedConfig
     device_manager: str = ""  # backend="cuda": address of the state manager holding data and undo
-    # every rank of the data-parallel group holds this same state (DDP): a lost rank's store can be
-    # rebuilt from any other's (runtime/transfer.py); False for shards (FSDP2, ZeRO-1)
-    replicated: bool = False
+    # Replicas (runtime/transfer.py rebuilds a lost rank's store from one): S > 0 means rank r holds
+    # shard r % S of the state, as does every other rank with that shard -- DDP: 1 (every rank
+    # holds everything), HSDP on an (R, S) mesh: S. 0: this rank's state exists nowhere else
+    # (plain FSDP2, ZeRO-1).
+    replica_shards: int = 0
 
     def __post_init__(self) -> None:
         if self.config.backend not in ("cpu", "cuda"):
@@ -153,7 +155,7 @@ class StoreSpec:
             tuple(Region(**r) for r in lay["regions"]),
             tuple(dict(h) for h in lay["group_hparams"]), _generic_state(lay["generic"]))
         return cls(d["job_id"], d["rank"], d["node"], d["local_rank"], d["n_local"], layout,
-                   RetainedConfig(**d["config"]), d.get("device_manager", ""), bool(d.get("replicated", False)))
+                   RetainedConfig(**d["config"]), d.get("device_manager", ""), int(d.get("replica_shards", 0)))
 
     def spec_bytes(self) -> int:
         """Size of the spec segment: the marks' page and two slots holding the JSON."""

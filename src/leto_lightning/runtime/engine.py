@@ -176,7 +176,7 @@ class TrainerEngine:
         config.check_devices(place.local_world_size)
         layout = layout_for(optimizer, config, names, whole_state=rollback_window)
         spec = StoreSpec(job_id, place.rank, place.node, place.local_rank, place.local_world_size, layout, config,
-                         replicated=True)
+                         replica_shards=1)  # DDP: every rank holds the same state
         return self.create(spec, bind, barrier=barrier, attach_with=attach_with)
 
     def bind_fsdp2(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RetainedConfig, *,

@@ -24,6 +24,7 @@ class RecoveryTiming:
     detect: float = 0.0
     stop: float = 0.0
     attach_repair: float = 0.0
+    transfer: float = 0.0  # a lost node's state moved to its spare (its source and the spare; 0 elsewhere)
     start: float = 0.0
     init: float = 0.0
     resume: float = 0.0

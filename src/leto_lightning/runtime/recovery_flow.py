@@ -11,6 +11,8 @@ intervals of one time line, so they add up to ``total_s``:
                 the last heartbeat, or since the agent began waiting for the first one)
   stop          classify, SIGKILL every active trainer and reap it
   attach_repair attach the node's retained stores, undo-restore, repair, roll forward
+  transfer      a lost node's stores sent to (on the source node) or received by (on the spare)
+                the spare that takes its place (runtime/transfer.py); 0 on every other node
   start         until the trainers reached ``protect()``: a cold start's process start-up
                 (interpreter, imports, process group); a promoted shadow's wake-up
   init          what the promoted trainers still had to build (0 for a ready L3 shadow)
@@ -92,6 +94,7 @@ class Recovery:
         self.membership: Membership | None = None  # a job with spares: lost nodes get one (runtime/membership.py)
         self._incoming: dict[int, NodeAssignment] = {}  # this recovery's lost slots and their spares
         self._joining: NodeAssignment | None = None  # a spare: the slot it takes over in this recovery
+        self._transfer_s = 0.0  # this recovery's state transfer (sent or received)
 
     @property
     def phase(self) -> RecoveryPhase:
@@ -201,7 +204,7 @@ class Recovery:
         t_fail = min(t_fail, failure.detected_at)
         timing = RecoveryTiming(detect=failure.detected_at - t_fail)
         gen = self.job.next_generation()
-        self._incoming = {}
+        self._incoming, self._transfer_s = {}, 0.0
         self.events.write(RecoveryStarted(generation=gen, cause_rank=failure.rank, hof=True))
         self.trainers.stop_actives()
         self._sync_replacing_lost(NodeStopped())  # no node touches retained state while another still trains
@@ -213,7 +216,8 @@ class Recovery:
             return self._restart_from_checkpoint(repaired.problem)
         self.stop.check()
         t2 = time.time()
-        timing.attach_repair = t2 - t1
+        timing.transfer = self._transfer_s
+        timing.attach_repair = t2 - t1 - self._transfer_s
         self._advance(Phase.PROMOTING)
         promoted = self._promote_or_cold_start()
         # what the job recovered from (0: a cold start)
@@ -298,6 +302,7 @@ class Recovery:
         SummaryExchange(self.spec.node_rank, self.lockstep).agree({})
         report = receive_node_state(self.store, self.job.job_id, self.spec.local_ranks, assignment.node,
                                     assignment.generation, timedelta(seconds=self.config.startup_timeout))
+        self._transfer_s += report.seconds
         self.events.write(StateTransferred(generation=self.job.generation, node=assignment.node, source=report.source,
                                            side="receiver", bytes=report.nbytes, seconds=round(report.seconds, 4),
                                            pages_verified=report.pages_verified, problem=report.problem))
@@ -313,6 +318,7 @@ class Recovery:
         for node, assignment in sorted(incoming.items()):
             report = send_node_state(self.store, self.job.job_id, self.spec.local_ranks, self.spec.node_rank, node,
                                      assignment.generation, timedelta(seconds=self.config.startup_timeout))
+            self._transfer_s += report.seconds
             self.events.write(StateTransferred(
                 generation=self.job.generation, node=node, source=report.source, side="source", bytes=report.nbytes,
                 seconds=round(report.seconds, 4), pages_verified=None, problem=report.problem))

@@ -1,8 +1,9 @@
 """Moving a lost node's retained state to the spare that takes its place, from a replica.
 
 Under data parallelism every rank holds the same parameters, reduced gradients and optimizer
-state (its ``StoreSpec.replicated``), so the lost node's ranks are rebuilt from the same local
-ranks of a surviving node, *after* that node repaired and rolled its stores forward (they are
+state, and under HSDP every replica group the same shards (``StoreSpec.replica_shards``), so
+the lost node's ranks are rebuilt from the same local ranks of a surviving node that holds the
+same shards, *after* that node repaired and rolled its stores forward (they are
 at the job's resume iteration, as every other node's). The source sends each of its ranks'
 segments -- spec, data, undo, tier-1 parity, metadata (page checksums, step counters, the
 progress record) -- and the node's tier-2 parity, byte for byte, over a two-process gloo group
@@ -16,8 +17,8 @@ the stores as a trainer would, marks them complete and ready (``keys.STORE_READY
 so (``keys.TRANSFER_DONE``). Its trainers then attach exactly as after an in-place recovery.
 
 Refused (the reason goes to both sides; the job falls back to the checkpoint): state that is
-not replicated (FSDP2 or ZeRO-1 shards exist on one rank only) and retained state in device
-memory (``backend="cuda"``).
+not replicated (plain FSDP2 or ZeRO-1 shards exist on one rank only), a source whose ranks hold
+other shards than the lost ones, and retained state in device memory (``backend="cuda"``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def send_node_state(store: SignedStore, job_id: str, ranks: list[int], source: i
     try:
         for local, rank in enumerate(ranks):
             stores[local] = RetainedStore.attach(job_id, rank)
-        problem = _not_transferable(stores)
+        problem = _not_transferable(stores, source, node)
         segments = [] if problem else _segments(stores)
         manifest = TransferManifest(source, tuple(SegmentDigest(name, t.numel(), _sha256(t)) for name, t in segments),
                                     problem)
@@ -150,14 +151,21 @@ def _write_rank(received: dict[str, torch.Tensor], local: int, job_id: str, rank
     return new
 
 
-def _not_transferable(stores: dict[int, RetainedStore]) -> str | None:
+def _not_transferable(stores: dict[int, RetainedStore], source: int, node: int) -> str | None:
+    """Why this node's stores cannot stand in for ``node``'s (local rank for local rank)."""
     for s in stores.values():
-        if s.spec.config.backend != "cpu":
-            return (f"rank {s.spec.rank}'s retained state is in device memory (backend {s.spec.config.backend!r}): "
+        spec = s.spec
+        if spec.config.backend != "cpu":
+            return (f"rank {spec.rank}'s retained state is in device memory (backend {spec.config.backend!r}): "
                     "moving it to a spare is not supported yet")
-        if not s.spec.replicated:
-            return (f"rank {s.spec.rank} holds a shard of the training state (FSDP2 or ZeRO-1) that no other node "
-                    "has: no replica to rebuild the lost node's ranks from")
+        if not spec.replica_shards:
+            return (f"rank {spec.rank} holds a shard of the training state (FSDP2 without replicas, or ZeRO-1) that "
+                    "no other node has: no replica to rebuild the lost node's ranks from")
+        lost_rank = node * spec.n_local + spec.local_rank
+        if lost_rank % spec.replica_shards != spec.rank % spec.replica_shards:
+            return (f"rank {spec.rank} holds shard {spec.rank % spec.replica_shards} of {spec.replica_shards}, lost "
+                    f"rank {lost_rank} shard {lost_rank % spec.replica_shards}: node {source} holds no replica of "
+                    f"node {node}'s shards (lay out HSDP's replicate dimension across nodes)")
     return None
 
 

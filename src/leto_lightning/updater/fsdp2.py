@@ -26,11 +26,11 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..env import ProcessSettings
 from ..errors import ConfigurationError, UsageError
@@ -112,12 +112,14 @@ def fsdp_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, Any]:
 
 
 def local_shard(fsdp_param: Any, name: str) -> LocalShard:
-    """What this rank holds of one parameter (only ``Shard(0)`` on a 1-D mesh)."""
+    """What this rank holds of one parameter: ``Shard(0)`` on a 1-D mesh (plain ``fully_shard``),
+    or HSDP's ``(Replicate(), Shard(0))`` on a 2-D (replicate, shard) mesh."""
     placement = private(fsdp_param, "fsdp_placement")
     param = private(fsdp_param, "sharded_param")
-    if not isinstance(placement, Shard) or placement.dim != 0 or param.device_mesh.ndim != 1:
-        raise ConfigurationError(f"param {name}: placement {placement} on a {param.device_mesh.ndim}-D mesh; retained "
-                                 "FSDP2 state supports Shard(0) on a 1-D mesh (plain fully_shard, no HSDP) for now")
+    if not isinstance(placement, Shard) or placement.dim != 0 or replica_shard_count(param) is None:
+        raise ConfigurationError(f"param {name}: placements {tuple(param.placements)} on a {param.device_mesh.ndim}-D "
+                                 "mesh; retained FSDP2 state supports Shard(0) on a 1-D mesh (fully_shard) and "
+                                 "(Replicate(), Shard(0)) on a 2-D one (HSDP)")
     padded = tuple(private(fsdp_param, "padded_sharded_param_size"))
     sharded = tuple(private(fsdp_param, "sharded_size"))
     flat = private(fsdp_param, "_sharded_param_data")
@@ -125,6 +127,20 @@ def local_shard(fsdp_param: Any, name: str) -> LocalShard:
         raise FSDP2InternalsError(f"param {name}: FSDPParam._sharded_param_data has {flat.numel()} elements, "
                                   f"the padded shard {padded}: FSDP2's internals changed")
     return LocalShard(name, tuple(param.shape), padded, sharded[0], param.dtype)
+
+
+def replica_shard_count(param: DTensor) -> int | None:
+    """How a sharded parameter is replicated (``StoreSpec.replica_shards``): 0 on a 1-D mesh (no
+    replicas), the shard dimension's size S under HSDP -- ``init_device_mesh``'s (R, S) mesh puts
+    rank ``r * S + s`` in replica group r holding shard s, so rank g holds shard g % S; None for
+    any other placement."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        return 0
+    if mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+        shards = mesh.size(1)
+        return shards if mesh.get_local_rank(1) == mesh.get_rank() % shards else 0  # another layout: no claim
+    return None
 
 
 class RetainedFSDP2:
@@ -379,7 +395,9 @@ def create_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, confi
     shards, sharded, aliased = _bindable(model, optimizer)
     layout = shard_layout(shards, family=optimizer_family(optimizer), group_options=hparams,
                           page_bytes=config.page_bytes, chunk_pages=config.chunk_pages)
-    spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config)
+    replicas = {replica_shard_count(cast(DTensor, param)) or 0 for param, _ in sharded}
+    spec = StoreSpec(job_id, rank, node, local_rank, n_local, layout, config,
+                     replica_shards=replicas.pop() if len(replicas) == 1 else 0)
 
     def bind(store: RetainedStore) -> RetainedFSDP2:
         return _bind_store(model, optimizer, store, (sharded, aliased), barrier, payload_fn, adopt=False,

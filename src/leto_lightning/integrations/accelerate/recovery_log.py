@@ -4,7 +4,7 @@ Under a Leto agent, the main process reads the agent's ``events.jsonl`` (the Lig
 integration's reader, ``integrations/lightning/recovery_metrics.py``) before each training
 batch and logs, per recovery the agent finished, the same fields as the Lightning integration
 (docs/lightning.md, "Recovery metrics"), with ``accelerator.log(..., step=<committed steps>)``:
-``leto/recovery/{detect,stop,attach_repair,init,resume,recompute}_s``, ``total_s``,
+``leto/recovery/{detect,stop,attach_repair,transfer,init,resume,recompute}_s``, ``total_s``,
 ``first_iteration_s``, ``generation``, ``shadow_level``, ``failed_iteration``,
 ``resume_iteration``, ``resume_step``, ``kept_iterations`` (steps a restart from the newest
 ``save_state`` checkpoint would have redone), and the running ``leto/recoveries``,

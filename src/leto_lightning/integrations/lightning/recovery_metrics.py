@@ -5,8 +5,8 @@ every rank completed its first step after resuming. ``LetoStrategy`` (global ran
 new events at the start of training batches and logs, per recovery, at the current step:
 
 ==================================  ===========================================================
-``leto/recovery/<part>_s``          the breakdown: detect, stop, attach_repair, init, resume,
-                                    recompute (seconds)
+``leto/recovery/<part>_s``          the breakdown: detect, stop, attach_repair, transfer (a
+                                    lost node's state to its spare), init, resume, recompute (s)
 ``leto/recovery/total_s``           failure -> first completed step after it
 ``leto/recovery/first_iteration_s`` resumed -> first completed step
 ``leto/recovery/generation``        the generation the recovery opened
@@ -49,7 +49,7 @@ from ...runtime.event_types import (
 )
 from ...runtime.events import EVENTS_FILE
 
-BREAKDOWN = ("detect", "stop", "attach_repair", "init", "resume", "recompute")
+BREAKDOWN = ("detect", "stop", "attach_repair", "transfer", "init", "resume", "recompute")
 
 
 @dataclass

@@ -163,7 +163,7 @@ class LetoStrategy(LetoFitHooks, DDPStrategy):
             names = {p: n for n, p in module.named_parameters()}
             spec = StoreSpec(self.job_id, self.global_rank, self.node_rank, self.local_rank, self.num_processes,
                              store_layout(optimizer, config, names, manual, split), config,
-                             replicated=split is None)  # DDP replicas; ZeRO-1 partitions are one rank's
+                             replica_shards=1 if split is None else 0)  # DDP replicas; ZeRO-1: one rank's
 
             def bind(store: RetainedStore) -> RetainedOptimizer:
                 ro = retained_for(optimizer, store, barrier, payload, manual, split)

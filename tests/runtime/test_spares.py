@@ -1,0 +1,151 @@
+"""Hot spares: three node agents on loopback (2 training nodes + 1 spare, 2 ranks each).
+
+A node is lost the way a machine is: its agent, trainers and shadows SIGKILLed at once (one
+process group) and its retained memory unlinked from /dev/shm. The spare takes its slot with
+the lost ranks' state from a data-parallel replica, and the job ends bit-identical to a run
+without the failure. A second loss, with no spare left, stops the job and says why.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from leto_lightning.examples import PLAIN_DDP, PLAIN_FSDP2
+
+from .harness import finish, free_port, launch_args, run, same_state, wait_for
+
+ITERATIONS = 16
+NPROC = 2
+
+
+@dataclass(frozen=True)
+class Job:
+    """A user's script and its arguments; ``slow_down`` stretches an iteration so that a node
+    can be killed in the middle of the run."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    slow_down: tuple[str, ...] = ()
+
+
+DDP = Job(PLAIN_DDP, slow_down=("--sleep", "0.15"))
+HSDP = Job(PLAIN_FSDP2, ("--hsdp", "2"))  # replica group 0 on node 0, replica group 1 on node 1
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The fault-free runs on one node of 4 ranks: the same world, the same ring order."""
+    done: dict[Job, object] = {}
+
+    def reference(job: Job):
+        if job not in done:
+            result = run(tmp_path_factory.mktemp("reference"), ITERATIONS, nproc=2 * NPROC, script=job.script,
+                         script_args=job.args)
+            assert result.returncode == 0, result.output[-3000:]
+            done[job] = result
+        return done[job]
+
+    return reference
+
+
+def _start_nodes(tmp: Path, port: int, job: Job = DDP) -> list[subprocess.Popen]:
+    """Node agents 0 and 1 and spare agent 2, each in a process group of its own (a machine)."""
+    procs = []
+    for node in range(3):
+        extra = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--spares", "1",
+                 "--node-timeout", "3"]
+        args = launch_args(tmp / f"node{node}", ITERATIONS, extra=extra, nproc=NPROC, script=job.script,
+                           script_args=[*job.args, *job.slow_down])
+        procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True))
+    return procs
+
+
+def _iterations_logged(run_dir: Path, rank: int) -> int:
+    path = run_dir / f"loss_rank{rank}.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _lose_node(proc: subprocess.Popen, run_dir: Path) -> None:
+    """The machine is gone: every process of the node at once, and its retained memory."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    job = next(e["job_id"] for e in finish_events(run_dir) if e["event"] == "job_started")
+    for segment in glob.glob(f"/dev/shm/leto-{job}*"):
+        os.unlink(segment)
+
+
+def finish_events(run_dir: Path) -> list[dict]:
+    from leto_lightning.runtime.events import read_events
+
+    return read_events(run_dir)
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("job", [DDP, pytest.param(HSDP, marks=pytest.mark.slow)], ids=["ddp", "hsdp"])
+def test_spare_takes_over_a_lost_node_bit_identical(tmp_path, references, monkeypatch, job):
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
+    reference = references(job)
+    procs = _start_nodes(tmp_path, free_port(), job)
+    try:
+        wait_for(lambda: _iterations_logged(tmp_path / "node1", 2) >= 5, 240, "node 1 at iteration 5")
+        _lose_node(procs[1], tmp_path / "node1")
+        node0 = finish(procs[0], tmp_path / "node0")
+        spare = finish(procs[2], tmp_path / "node2")
+    finally:
+        _end(procs)
+    assert node0.returncode == 0, node0.output[-4000:]
+    assert spare.returncode == 0, spare.output[-4000:]
+    (lost,) = node0.of("node_lost")
+    assert (lost["node"], lost["agent"], lost["spare"]) == (1, 1, 2)
+    (joined,) = spare.of("spare_joined")
+    assert joined["node"] == 1 and joined["generation"] == lost["generation"]
+    (sent,) = node0.of("state_transferred")
+    (received,) = spare.of("state_transferred")
+    assert sent["problem"] is None and received["problem"] is None
+    assert received["bytes"] == sent["bytes"] > 0 and received["pages_verified"] > 0
+    for result in (node0, spare):
+        (done,) = result.of("recovery_finished")
+        assert done["breakdown"]["transfer"] > 0 and done["resume_iteration"] >= 5
+    # the spare ran ranks 2 and 3 from the replacement on; every rank ends as without the failure
+    for rank in range(2 * NPROC):
+        holder = node0 if rank < NPROC else spare
+        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_second_node_loss_with_no_spare_left_stops_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
+    procs = _start_nodes(tmp_path, free_port())
+    try:
+        wait_for(lambda: _iterations_logged(tmp_path / "node1", 2) >= 3, 240, "node 1 at iteration 3")
+        _lose_node(procs[1], tmp_path / "node1")
+        resumed = _iterations_logged(tmp_path / "node0", 0)
+        wait_for(lambda: _iterations_logged(tmp_path / "node2", 2) >= 2 and
+                 _iterations_logged(tmp_path / "node0", 0) > resumed + 1, 240, "the spare training as node 1")
+        _lose_node(procs[2], tmp_path / "node2")  # the spare, now node 1, is lost too
+        node0 = finish(procs[0], tmp_path / "node0")
+    finally:
+        _end(procs)
+    assert node0.returncode == 3, node0.output[-4000:]
+    first, second = node0.of("node_lost")
+    assert (first["spare"], second["spare"], second["agent"]) == (2, None, 2)
+    (stopped,) = node0.of("job_stopped")
+    assert "node 1 lost" in stopped["reason"] and "no spare is left" in stopped["reason"]
+    assert "resumes from its last checkpoint" in stopped["reason"]
+    assert "no spare is left" in node0.output
