@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from leto_lightning.examples import PLAIN_DDP, PLAIN_FSDP2
 
@@ -149,3 +150,32 @@ def test_a_second_node_loss_with_no_spare_left_stops_with_the_reason(tmp_path, m
     assert "node 1 lost" in stopped["reason"] and "no spare is left" in stopped["reason"]
     assert "resumes from its last checkpoint" in stopped["reason"]
     assert "no spare is left" in node0.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_unreplicated_shards_fall_back_to_the_checkpoint_with_the_reason(tmp_path, monkeypatch):
+    """Plain FSDP2: the lost node's shards exist nowhere else. The spare still takes the slot,
+    the source says why it cannot send, and the whole job (the spare included) restarts from
+    the newest distributed checkpoint -- and still ends bit-identical."""
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
+    shared = tmp_path / "shared"  # checkpoints every node reads: a shared filesystem
+    job = Job(PLAIN_FSDP2, ("--checkpoint-every", "4", "--out", str(shared)))
+    reference = run(tmp_path / "reference", ITERATIONS, nproc=2 * NPROC, script=job.script,
+                    script_args=["--checkpoint-every", "4", "--out", str(tmp_path / "reference-out")])
+    assert reference.returncode == 0, reference.output[-3000:]
+    procs = _start_nodes(tmp_path, free_port(), job)
+    try:
+        wait_for(lambda: _iterations_logged(shared, 2) >= 6, 240, "node 1 past the first checkpoint")
+        _lose_node(procs[1], tmp_path / "node1")
+        node0 = finish(procs[0], tmp_path / "node0")
+        spare = finish(procs[2], tmp_path / "node2")
+    finally:
+        _end(procs)
+    assert node0.returncode == 0 and spare.returncode == 0, node0.output[-3000:] + spare.output[-3000:]
+    (fallback,) = node0.of("fallback_checkpoint")
+    assert "holds a shard" in fallback["reason"] and "no other node has" in fallback["reason"]
+    for rank in range(2 * NPROC):
+        final = torch.load(shared / f"final_rank{rank}.pt", weights_only=True)
+        expected = torch.load(tmp_path / "reference-out" / f"final_rank{rank}.pt", weights_only=True)
+        assert same_state(final, expected) == [], f"rank {rank}"
