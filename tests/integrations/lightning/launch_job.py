@@ -52,11 +52,14 @@ def script_args(max_steps: int, *extra: str) -> list[str]:
     return [LIGHTNING_TINY, "--max-steps", str(max_steps), "--page-bytes", "16384", "--checkpoint-every", "7", *extra]
 
 
-def start(run_dir: Path, max_steps: int, faults=(), extra_script=(), launch_extra=()) -> subprocess.Popen:
+def start(run_dir: Path, max_steps: int, faults=(), extra_script=(), launch_extra=(),
+          new_session: bool = False) -> subprocess.Popen:
+    """``new_session``: the launcher and everything it starts in a process group of their own
+    (a node a test can lose at once: ``os.killpg``)."""
     cmd = [sys.executable, "-m", "leto_lightning.cli", "launch", "--nproc-per-node", "2", "--run-dir", str(run_dir),
            "--faults", json.dumps(list(faults)), *launch_extra, *script_args(max_steps, *extra_script)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=QUIET,
-                            cwd=run_dir.parent)
+                            cwd=run_dir.parent, start_new_session=new_session)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 240) -> Run:

@@ -313,6 +313,51 @@ def test_two_node_agents_recover_a_lightning_job_in_lockstep(reference: Run, tmp
     assert runs[0].loss_series() == reference.loss_series()
 
 
+@pytest.mark.slow  # LETO_LONG=1
+def test_a_spare_node_takes_over_a_lost_lightning_node(reference: Run, tmp_path, monkeypatch) -> None:
+    """`leto launch --nnodes 2 --spares 1` on three node agents (loopback), one rank each,
+    `Trainer(num_nodes=2, devices=1)`: node 1 is lost whole (agent and trainers SIGKILLed, its
+    retained memory unlinked) between checkpoints; the spare takes over with rank 1's state
+    from rank 0's replica; bit-identical to the one-node fault-free run, losses included."""
+    import glob
+
+    import launch_job
+
+    port = free_port()
+    monkeypatch.setitem(launch_job.QUIET, "LETO_SECRET", os.urandom(16).hex())  # see the two-node case
+    monkeypatch.setitem(launch_job.QUIET, "OMP_NUM_THREADS", "1")
+    procs = []
+    for node in range(3):
+        run_dir = tmp_path / f"node{node}"
+        run_dir.mkdir()
+        extra = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--nproc-per-node", "1",
+                 "--spares", "1", "--node-timeout", "3"]
+        procs.append(start(run_dir, STEPS, launch_extra=extra, extra_script=["--devices", "1", "--num-nodes", "2"],
+                           new_session=True))
+    try:
+        wait_for(lambda: bool(glob.glob(str(tmp_path / "node0" / "lightning_checkpoints" / "*step=14*"))), 240,
+                 "the checkpoint after step 14")
+        node1 = next(e for e in events(tmp_path / "node1") if e["event"] == "job_started")
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].communicate()
+        for segment in glob.glob(f"/dev/shm/leto-{node1['job_id']}*"):
+            os.unlink(segment)
+        node0, spare = finish(procs[0], tmp_path / "node0"), finish(procs[2], tmp_path / "node2")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    for run in (node0, spare):
+        assert run.returncode == 0, run.output[-4000:]
+    assert [e["spare"] for e in node0.of("node_lost")] == [2]
+    (received,) = spare.of("state_transferred")
+    assert received["problem"] is None and received["pages_verified"] > 0
+    assert same_state(node0.final(0), reference.final(0)) == []
+    assert same_state(spare.final(1), reference.final(1)) == []
+    assert node0.loss_series() == reference.loss_series()
+
+
 @pytest.mark.slow  # LETO_LONG=1; the same mechanism runs in CI elsewhere
 def test_16_mixed_with_hofs_equals_lightning_ddp(tmp_path) -> None:
     """fp16 with a GradScaler (overflowing, backing off, growing) under `leto launch`: HOFs
