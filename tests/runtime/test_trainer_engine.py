@@ -128,7 +128,8 @@ TRAINER_MESSAGES = {
     "EXCEPTION": {"runtime/session.py:Session.report_exception"},
     "FINISHED": {"runtime/session.py:Session.mark_finished"},
     "SHADOW_READY": {"runtime/session.py:Session.signal_ready"},
-    "STORE_READY": {"runtime/link.py:RuntimeLink.store_ready"},
+    # a trainer's store, and a store a spare's agent received from a replica (its trainers attach to it)
+    "STORE_READY": {"runtime/link.py:RuntimeLink.store_ready", "runtime/transfer.py:_receive"},
 }
 
 

@@ -37,6 +37,7 @@ from ..errors import RetainedStateError
 from ..retained.spec import read_spec
 from ..retained.store import RetainedStore
 from ..updater.repair import find_damage
+from ..updater.store_setup import copy_in_store
 from .control import SignedStore
 from .keys import STORE_READY, TRANSFER, TRANSFER_DONE, TRANSFER_MANIFEST
 from .messages import SegmentDigest, TransferManifest
@@ -143,12 +144,10 @@ def _write_rank(received: dict[str, torch.Tensor], local: int, job_id: str, rank
     """The segments of the source's local rank ``local`` as rank ``rank``'s of slot ``node``."""
     source_spec = read_spec(received[f"r{local}-spec"], f"r{local}-spec")[0]
     spec = dataclasses.replace(source_spec, job_id=job_id, rank=rank, node=node, device_manager="")
-    new = RetainedStore.create(spec)
-    for what in RANK_SEGMENTS[1:]:
-        new.segments[what].tensor.copy_(received[f"r{local}-{what}"])
-    if local == 0 and "parity2" in new.segments:
-        new.segments["parity2"].tensor.copy_(received["parity2"])
-    return new
+    contents = {what: received[f"r{local}-{what}"] for what in RANK_SEGMENTS[1:]}
+    if local == 0 and spec.tier2.enabled:  # the node's segment: created with local rank 0's store
+        contents["parity2"] = received["parity2"]
+    return copy_in_store(spec, contents)
 
 
 def _not_transferable(stores: dict[int, RetainedStore], source: int, node: int) -> str | None:

@@ -19,7 +19,7 @@ again from a checkpoint (``reinitialise``) completes the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -106,6 +106,22 @@ def create_node_store(spec: StoreSpec, barrier: Callable[[], None] | None, attac
     except FileExistsError:
         raise UsageError(f"retained memory of job {spec.job_id!r} rank {spec.rank} already exists: continue from it "
                          f"({attach_with}), or free it (`leto cleanup`) to start over") from None
+
+
+def copy_in_store(spec: StoreSpec, contents: Mapping[str, torch.Tensor]) -> RetainedStore:
+    """A store whose segments arrive whole from elsewhere (a replica's, ``runtime/transfer.py``):
+    created like any other (one process creates every store of the node: no barrier), each
+    segment named in ``contents`` filled byte for byte. Not complete until the caller verified
+    it and marks it (``RetainedStore.mark_complete``)."""
+    store = create_node_store(spec, no_barrier, attach_with="a state transfer")
+    try:
+        for what, tensor in contents.items():
+            store.segments[what].tensor.copy_(tensor)
+    except BaseException:
+        store.unlink()
+        store.close()
+        raise
+    return store
 
 
 def encode_node_tier2(store: RetainedStore, barrier: Callable[[], None] | None) -> None:
