@@ -38,6 +38,7 @@ class Job:
 
 DDP = Job(PLAIN_DDP, slow_down=("--sleep", "0.15"))
 HSDP = Job(PLAIN_FSDP2, ("--hsdp", "2"))  # replica group 0 on node 0, replica group 1 on node 1
+TIER3 = Job(PLAIN_FSDP2, ("--tier3",))  # no replica: each rank's state copied to the next node
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,27 @@ def test_unreplicated_shards_fall_back_to_the_checkpoint_with_the_reason(tmp_pat
         final = torch.load(shared / f"final_rank{rank}.pt", weights_only=True)
         expected = torch.load(tmp_path / "reference-out" / f"final_rank{rank}.pt", weights_only=True)
         assert same_state(final, expected) == [], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_unreplicated_shards_come_back_from_the_cross_node_tier(tmp_path, references, monkeypatch):
+    """Plain FSDP2 with the cross-node tier (``--tier3``: each rank's prepared state kept on the
+    next node): the spare rebuilds node 1's shards from node 0's copies, bit-identical."""
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
+    reference = references(Job(PLAIN_FSDP2))
+    procs = _start_nodes(tmp_path, free_port(), TIER3)
+    try:
+        wait_for(lambda: _iterations_logged(tmp_path / "node1", 2) >= 5, 240, "node 1 at iteration 5")
+        _lose_node(procs[1], tmp_path / "node1")
+        node0 = finish(procs[0], tmp_path / "node0")
+        spare = finish(procs[2], tmp_path / "node2")
+    finally:
+        _end(procs)
+    assert node0.returncode == 0 and spare.returncode == 0, node0.output[-3000:] + spare.output[-3000:]
+    assert not node0.of("fallback_checkpoint")
+    (received,) = spare.of("state_transferred")
+    assert received["problem"] is None and received["pages_verified"] > 0
+    for rank in range(2 * NPROC):
+        holder = node0 if rank < NPROC else spare
+        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"

@@ -21,6 +21,7 @@ HOF) it continues from the newest one every rank finished, exactly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -87,6 +88,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="under leto launch: a distributed checkpoint every N iterations (the agent's fallback)")
     p.add_argument("--out", default=None, help="where outputs go (default: the run dir under leto launch)")
+    p.add_argument("--tier3", action="store_true",
+                   help="under leto launch on several nodes: keep each rank's state on the next node too (the "
+                        "cross-node tier, RetainedConfig(tier3_parity=1)): a spare rebuilds a lost node's shards")
     p.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="HSDP: R replica groups, each sharding the model over WORLD_SIZE / R ranks (a 2-D mesh; lay "
                         "replicas out across nodes and a spare rebuilds a lost node's shards from another group)")
@@ -161,14 +165,16 @@ def newest_checkpoint(out: str, rank: int) -> tuple[str, dict] | None:
     return path, load_checkpoint_file(os.path.join(path, f"done_rank{rank}.pt"))
 
 
-def protect(session: leto.Session, model: ShardedLM, optimizer: torch.optim.AdamW, out: str) -> ProtectedTraining:
+def protect(session: leto.Session, model: ShardedLM, optimizer: torch.optim.AdamW, out: str,
+            tier3: bool = False) -> ProtectedTraining:
     """Under ``leto launch``: bind the shards to retained memory (after the agent's fallback to
     the checkpoint path: loaded from the newest distributed checkpoint, if any)."""
+    config = dataclasses.replace(CONFIG, tier3_parity=1) if tier3 else CONFIG
     found = newest_checkpoint(out, dist.get_rank()) if session.resume_from_checkpoint else None
     if found is None:
-        return session.protect(model, optimizer, CONFIG)  # L3 shadows wait here
+        return session.protect(model, optimizer, config)  # L3 shadows wait here
     path, note = found
-    return session.protect(model, optimizer, CONFIG, start_iteration=note["iteration"], payload=note["payload"],
+    return session.protect(model, optimizer, config, start_iteration=note["iteration"], payload=note["payload"],
                            checkpoint=path)
 
 
@@ -218,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = args.out or (session.env.run_dir if session is not None else "runs/plain_fsdp2")
     os.makedirs(out, exist_ok=True)
     model, optimizer = build(args)
-    train = protect(session, model, optimizer, out) if session is not None else None
+    train = protect(session, model, optimizer, out, args.tier3) if session is not None else None
     with open(os.path.join(out, f"loss_rank{rank}.jsonl"), "a") as losses:
         train_loop(args, model, optimizer, train, rank, losses, out)
     atomic_torch_save(local_shards(model, optimizer), os.path.join(out, f"final_rank{rank}.pt"))  # never half-written

@@ -25,6 +25,12 @@ class RetainedConfig:
     tier1_parity: H1, Reed-Solomon parity pages per tier-1 group (repairs H1 lost pages).
     tier2_parity: H2, parity pages per tier-2 stripe (one page from each device of a node);
                   repairs the loss of H2 whole devices' state. Ignored with a single device.
+    tier3_parity: 0 or 1: the cross-node tier for state no other node holds (plain FSDP2
+                  shards): 1 keeps, on the next node's rank of the same local rank, a copy of
+                  this rank's pages and metadata as of each step's prepare (a code over nodes
+                  with k = 1, m = 1: a mirror, double-buffered), so a spare node can rebuild
+                  a lost node's ranks (docs/spares.md). Memory: twice the rank's state on the
+                  next node; traffic: the rank's state once per step.
     protect_grads: keep tier-1 parity over the retained gradients too, so a roll-forward
                   survives a damaged gradient page.
     record_bytes: capacity of one progress-record slot (four are kept: the newest two entries, twice each).
@@ -44,6 +50,7 @@ class RetainedConfig:
     data_pages: int = 8
     tier1_parity: int = 1
     tier2_parity: int = 1
+    tier3_parity: int = 0
     protect_grads: bool = True
     record_bytes: int = 1 * MiB
     engine: str = "auto"
@@ -63,6 +70,9 @@ class RetainedConfig:
             value = getattr(self, name)
             if value < 0:
                 raise ConfigurationError(f"{name}={value} must be >= 0")
+        if self.tier3_parity not in (0, 1):
+            raise ConfigurationError(f"tier3_parity={self.tier3_parity}: 0 (off) or 1 (a mirror of each rank's "
+                                     "state on the next node)")
         if self.tier1_parity > self.data_pages:
             raise ConfigurationError(
                 f"tier1_parity={self.tier1_parity} exceeds data_pages={self.data_pages}: more parity than data "

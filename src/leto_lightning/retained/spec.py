@@ -130,12 +130,15 @@ class StoreSpec:
 
     def sizes(self) -> dict[str, int]:
         lay, cfg = self.layout, self.config
-        return {
+        sizes = {
             "data": lay.data_bytes,
             "undo": self.undo_bytes(),
             "parity1": max(1, self.tier1.n_groups * cfg.tier1_parity) * lay.page_bytes,
             "meta": self.meta_area_bytes() + 4 * cfg.record_bytes,  # the newest two records, twice each
         }
+        if cfg.tier3_parity:  # the previous node's copy of its rank's data and meta, twice (updater/tier3.py)
+            sizes["parity3"] = PAGE + 2 * _page_round(sizes["data"] + sizes["meta"])
+        return sizes
 
     def parity2_bytes(self) -> int:
         return max(1, self.tier2.n_stripes * self.config.tier2_parity) * self.layout.page_bytes

@@ -240,15 +240,17 @@ class SegmentDigest:
 class TransferManifest:
     """What the source node sends the spare of ``node`` (in this order), or why it cannot."""
 
-    source: int  # the node slot that sends
+    source: int  # the node slot that sends (-1: none could)
     segments: tuple[SegmentDigest, ...] = ()
     problem: str | None = None
+    mode: str | None = None  # "replica" or "mirror" (runtime/transfer.py)
 
     def to_json(self) -> str:
         return json.dumps({"source": self.source, "segments": [asdict(d) for d in self.segments],
-                           "problem": self.problem})
+                           "problem": self.problem, "mode": self.mode})
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> TransferManifest:
         value = _fields(raw, "transfer manifest")
-        return cls(int(value["source"]), tuple(SegmentDigest(**d) for d in value["segments"]), value.get("problem"))
+        return cls(int(value["source"]), tuple(SegmentDigest(**d) for d in value["segments"]), value.get("problem"),
+                   value.get("mode"))

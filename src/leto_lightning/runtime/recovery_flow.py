@@ -34,6 +34,7 @@ from ..console import notice
 from ..env import ResumeMode, job_prefix
 from ..errors import RetainedStateError
 from ..retained.shm import list_segments, new_job_id, segment_name, unlink_segments
+from ..retained.store import RetainedStore
 from .classify import FailedRole, Failure, classify, device_health, node_lost_failure
 from .config import RuntimeConfig
 from .control import SignedStore
@@ -70,7 +71,7 @@ from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, SummaryExchange, repair_node_stores
 from .spec import LaunchSpec
 from .trainers import Trainers, stopped
-from .transfer import receive_node_state, send_node_state
+from .transfer import plan, receive_node_state, send_node_state
 from .xid import XidMonitor
 
 log = logging.getLogger(__name__)
@@ -267,17 +268,21 @@ class Recovery:
         self._incoming[node] = assignment
 
     def _repair_job_retained(self) -> RepairOutcome:
-        """Repair this node's retained stores (a joining spare: receive them); then every node
-        learns whether all of them could (else all restart from the checkpoint) and the job's
-        resume iteration."""
+        """Repair this node's retained stores; then every node learns whether all of them could
+        (else all restart from the checkpoint) and the job's resume iteration. A lost node's
+        state moves to its spare first (``runtime/transfer.py``), and the spare repairs with the
+        others; a transfer that fails unblocks the job-wide decision (``SummaryExchange.fail``)."""
         reports: dict = {}
-        problem = None if self._joining is not None else self._unready_store()
+        joining, self._joining = self._joining, None
+        problem = None if joining is not None else self._unready_store()
         try:
-            if self._joining is not None:
-                problem = self._receive_state(self._joining)
+            transfer_problem = self._receive_state(joining) if joining is not None else \
+                (self._send_state() if problem is None else None)
+            if transfer_problem is not None:
+                problem = transfer_problem
+                SummaryExchange(self.spec.node_rank, self.lockstep).fail(transfer_problem)
             elif problem is None:
                 reports = repair_node_stores(self.job.job_id, self.spec, self.lockstep)
-                problem = self._send_state()
         except FileNotFoundError as exc:
             problem = (f"retained memory removed after set-up ({exc.filename or exc} is missing from /dev/shm): "
                        "something freed it while the job ran")
@@ -293,13 +298,11 @@ class Recovery:
         return RepairOutcome(reports, min(resumes, default=None), problems[0] if problems else None)
 
     def _receive_state(self, assignment: NodeAssignment) -> str | None:
-        """A joining spare: take part in the job-wide roll-forward decision (with no ranks of its
-        own), then receive its slot's stores from the source node."""
-        self._joining = None
+        """A joining spare: its slot's stores from the source node (then it repairs with the
+        others), or why they cannot come."""
         if assignment.generation != self.job.generation:  # another failure came first: the source sends nothing
             return (f"the replacement of node {assignment.node} was interrupted by another failure before its state "
-                    "arrived: no replica state to resume from")
-        SummaryExchange(self.spec.node_rank, self.lockstep).agree({})
+                    "arrived: no state to resume from")
         report = receive_node_state(self.store, self.job.job_id, self.spec.local_ranks, assignment.node,
                                     assignment.generation, timedelta(seconds=self.config.startup_timeout))
         self._transfer_s += report.seconds
@@ -310,14 +313,22 @@ class Recovery:
                                                     f"{report.problem}"
 
     def _send_state(self) -> str | None:
-        """The source node (the first surviving slot) sends its repaired stores to each spare."""
+        """Each lost node's source (``transfer.plan``: a replica's first survivor, or the lost
+        node's successor for the cross-node tier's copy) sends to its spare; the first survivor
+        sends the reason when there is no source."""
         incoming, self._incoming = self._incoming, {}
-        survivors = [n for n in range(self.spec.nnodes) if n not in incoming]
-        if not incoming or self.spec.node_rank != survivors[0]:
+        if not incoming:
             return None
+        survivors = [n for n in range(self.spec.nnodes) if n not in incoming]
+        first = RetainedStore.attach(self.job.job_id, self.spec.repair_ranks[0])
+        spec = first.spec
+        first.close()
         for node, assignment in sorted(incoming.items()):
-            report = send_node_state(self.store, self.job.job_id, self.spec.local_ranks, self.spec.node_rank, node,
-                                     assignment.generation, timedelta(seconds=self.config.startup_timeout))
+            how = plan(spec, node, set(incoming), self.spec.nnodes)
+            if self.spec.node_rank != (how.source if how.source is not None else survivors[0]):
+                continue
+            report = send_node_state(self.store, self.job.job_id, self.spec.local_ranks, how, assignment.generation,
+                                     timedelta(seconds=self.config.startup_timeout))
             self._transfer_s += report.seconds
             self.events.write(StateTransferred(
                 generation=self.job.generation, node=node, source=report.source, side="source", bytes=report.nbytes,

@@ -1,24 +1,31 @@
-"""Moving a lost node's retained state to the spare that takes its place, from a replica.
+"""Moving a lost node's retained state to the spare that takes its place.
 
-Under data parallelism every rank holds the same parameters, reduced gradients and optimizer
-state, and under HSDP every replica group the same shards (``StoreSpec.replica_shards``), so
-the lost node's ranks are rebuilt from the same local ranks of a surviving node that holds the
-same shards, *after* that node repaired and rolled its stores forward (they are
-at the job's resume iteration, as every other node's). The source sends each of its ranks'
-segments -- spec, data, undo, tier-1 parity, metadata (page checksums, step counters, the
-progress record) -- and the node's tier-2 parity, byte for byte, over a two-process gloo group
-of the source and the spare's agents (``keys.TRANSFER``: a fresh rendezvous per transfer).
+Two sources (``plan``), both *before* anyone repairs: the spare then recovers its stores with
+the job like every node (restore, repair, roll forward or abort, ``updater.recovery``).
 
-That channel is torch's, unauthenticated; what vouches for the bytes is the source's signed
-``TransferManifest`` (the job's control plane): every segment's size and SHA-256. The spare
-checks each digest, writes the segments under its own job id with the lost ranks' identity
-(rank, node) in the spec, verifies every page against the source's page checksums, attaches
-the stores as a trainer would, marks them complete and ready (``keys.STORE_READY``), and says
-so (``keys.TRANSFER_DONE``). Its trainers then attach exactly as after an in-place recovery.
+- **replica** -- under data parallelism every rank holds the same parameters, reduced gradients
+  and optimizer state, under HSDP every replica group the same shards
+  (``StoreSpec.replica_shards``): the first surviving node sends each of its ranks' segments
+  (spec, data, undo, tier-1 parity, metadata with page checksums, step counters and progress
+  record) and the node's tier-2 parity byte for byte, as they are; the spare's recovery does to
+  them what the source's does to the originals, bit for bit.
+- **mirror** -- state no other node holds, with the cross-node tier on (``tier3_parity=1``,
+  ``updater/tier3.py``): the lost node's successor sends its newest complete copy of each lost
+  rank's data and metadata (a prepared iteration) and its own spec (the same layout); the spare
+  checks every page against the copy's checksums, re-encodes tier 1 and tier 2, and starts from
+  that prepared iteration.
 
-Refused (the reason goes to both sides; the job falls back to the checkpoint): state that is
-not replicated (plain FSDP2 or ZeRO-1 shards exist on one rank only), a source whose ranks hold
-other shards than the lost ones, and retained state in device memory (``backend="cuda"``).
+The bytes travel over a two-process gloo group of the source and the spare's agents
+(``keys.TRANSFER``, a fresh rendezvous per transfer). That channel is torch's, unauthenticated;
+what vouches for them is the source's signed ``TransferManifest``: every segment's size and
+SHA-256. The spare writes the segments under its own job id with the lost ranks' identity
+(rank, node) in the spec, opens the stores as a trainer would, marks them complete and ready
+(``keys.STORE_READY``), and says so (``keys.TRANSFER_DONE``).
+
+Refused (the reason goes to both sides; the job falls back to the checkpoint): state without a
+replica and without the cross-node tier (plain FSDP2 or ZeRO-1), a source whose ranks hold
+other shards than the lost ones, a lost node whose successor (its copy's holder) is lost too,
+and retained state in device memory (``backend="cuda"``).
 """
 
 from __future__ import annotations
@@ -33,16 +40,48 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import RetainedStateError
+from ..errors import LetoTimeoutError, RetainedStateError
 from ..retained.spec import read_spec
-from ..retained.store import RetainedStore
+from ..retained.store import RetainedStore, StoreSpec
 from ..updater.repair import find_damage
-from ..updater.store_setup import copy_in_store
+from ..updater.store_setup import copy_in_store, encode_all, encode_tier2
+from ..updater.tier3 import copy_parts, newest_copy
+from ..updater.transaction import ParityCodes
 from .control import SignedStore
 from .keys import STORE_READY, TRANSFER, TRANSFER_DONE, TRANSFER_MANIFEST
 from .messages import SegmentDigest, TransferManifest
 
 RANK_SEGMENTS = ("spec", "data", "undo", "parity1", "meta")  # "spec" first: it sizes the others
+REPLICA, MIRROR = "replica", "mirror"
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Where a lost node's state comes from: ``mode`` from node ``source``, or why it cannot."""
+
+    node: int
+    mode: str | None
+    source: int | None
+    problem: str | None = None
+
+
+def plan(spec: StoreSpec, node: int, lost: set[int], nnodes: int) -> TransferPlan:
+    """From a surviving node's own spec (every node's stores share one configuration): the same
+    answer on every survivor."""
+    survivors = [n for n in range(nnodes) if n not in lost]
+    if spec.config.backend != "cpu":
+        return TransferPlan(node, None, None, f"rank {spec.rank}'s retained state is in device memory (backend "
+                                              f"{spec.config.backend!r}): moving it to a spare is not supported yet")
+    if spec.replica_shards:
+        return TransferPlan(node, REPLICA, survivors[0])
+    if spec.config.tier3_parity:
+        holder = (node + 1) % nnodes
+        if holder in lost:
+            return TransferPlan(node, None, None, f"node {node}'s copy is on node {holder}, which is lost too")
+        return TransferPlan(node, MIRROR, holder)
+    return TransferPlan(node, None, None, f"rank {spec.rank} holds a shard of the training state (FSDP2 without "
+                                          "replicas, or ZeRO-1) that no other node has: no replica, and the cross-"
+                                          "node tier is off (RetainedConfig(tier3_parity=1))")
 
 
 @dataclass(frozen=True)
@@ -53,22 +92,26 @@ class TransferReport:
     source: int  # the node slot that sent
     nbytes: int
     seconds: float
-    pages_verified: int = 0  # the receiver: pages checked against the source's checksums
+    pages_verified: int = 0  # the receiver: pages checked against the checksums that came with them
     problem: str | None = None
 
 
-def send_node_state(store: SignedStore, job_id: str, ranks: list[int], source: int, node: int, generation: int,
+def send_node_state(store: SignedStore, job_id: str, ranks: list[int], how: TransferPlan, generation: int,
                     timeout: timedelta) -> TransferReport:
-    """The source side: this node's stores (``ranks``, repaired) to the spare of ``node``."""
+    """The source side: this node's stores (``ranks``; their copies of the lost node's, for a
+    mirror) to the spare of ``how.node``. A plan without a source says why on its behalf."""
     t0 = time.time()
+    node, source = how.node, how.source if how.source is not None else -1
     stores: dict[int, RetainedStore] = {}
     try:
-        for local, rank in enumerate(ranks):
-            stores[local] = RetainedStore.attach(job_id, rank)
-        problem = _not_transferable(stores, source, node)
-        segments = [] if problem else _segments(stores)
+        problem = how.problem
+        if problem is None:
+            for local, rank in enumerate(ranks):
+                stores[local] = RetainedStore.attach(job_id, rank)
+            problem = _not_transferable(stores, source, node) if how.mode == REPLICA else _no_copy(stores)
+        segments = [] if problem else (_segments(stores) if how.mode == REPLICA else _copies(stores))
         manifest = TransferManifest(source, tuple(SegmentDigest(name, t.numel(), _sha256(t)) for name, t in segments),
-                                    problem)
+                                    problem, how.mode)
         store.set(TRANSFER_MANIFEST.format(gen=generation, node=node), manifest.to_json())
         if problem is None:
             channel = _channel(store.raw, generation, node, 0, timeout)
@@ -84,10 +127,15 @@ def send_node_state(store: SignedStore, job_id: str, ranks: list[int], source: i
 
 def receive_node_state(store: SignedStore, job_id: str, ranks: list[int], node: int, generation: int,
                        timeout: timedelta) -> TransferReport:
-    """The spare side: the stores of ``node``'s ``ranks`` under ``job_id``, verified, complete
-    and marked ready; or the report's ``problem`` (nothing usable was left behind)."""
+    """The spare side: the stores of ``node``'s ``ranks`` under ``job_id``, complete and marked
+    ready; or the report's ``problem`` (nothing received is left behind)."""
     t0 = time.time()
-    manifest = TransferManifest.from_json(_await(store, TRANSFER_MANIFEST.format(gen=generation, node=node), timeout))
+    try:
+        manifest = TransferManifest.from_json(_await(store, TRANSFER_MANIFEST.format(gen=generation, node=node),
+                                                     timeout))
+    except LetoTimeoutError:
+        return TransferReport(node, -1, 0, time.time() - t0, problem=f"no node sent node {node}'s state within "
+                                                                     f"{timeout} (the survivors could not use theirs)")
     nbytes = sum(d.nbytes for d in manifest.segments)
     problem, pages = manifest.problem, 0
     if problem is None:
@@ -117,15 +165,11 @@ def _receive(store: SignedStore, manifest: TransferManifest, job_id: str, ranks:
         received[digest.name] = tensor
     created: list[RetainedStore] = []
     try:
-        pages = 0
         for local, rank in enumerate(ranks):
             created.append(_write_rank(received, local, job_id, rank, node))
-        for new in created:
-            damaged = find_damage(new, include_grads=False)
-            if damaged:
-                raise TransferError(f"rank {new.spec.rank}: {len(damaged)} page(s) do not match the source's page "
-                                    f"checksums after the transfer (first: {damaged[:5]})")
-            pages += new.layout.n_pages
+        pages = _verify(created, strict=manifest.mode == MIRROR)
+        if manifest.mode == MIRROR:
+            _encode(created)
         for new in created:
             new.mark_complete()
             RetainedStore.attach(job_id, new.spec.rank).close()  # opens as a trainer will
@@ -141,30 +185,55 @@ def _receive(store: SignedStore, manifest: TransferManifest, job_id: str, ranks:
 
 
 def _write_rank(received: dict[str, torch.Tensor], local: int, job_id: str, rank: int, node: int) -> RetainedStore:
-    """The segments of the source's local rank ``local`` as rank ``rank``'s of slot ``node``."""
+    """The segments of the source's local rank ``local`` as rank ``rank``'s of slot ``node``
+    (a mirror brings data and meta only: the rest is encoded again, ``_encode``)."""
     source_spec = read_spec(received[f"r{local}-spec"], f"r{local}-spec")[0]
     spec = dataclasses.replace(source_spec, job_id=job_id, rank=rank, node=node, device_manager="")
-    contents = {what: received[f"r{local}-{what}"] for what in RANK_SEGMENTS[1:]}
-    if local == 0 and spec.tier2.enabled:  # the node's segment: created with local rank 0's store
+    contents = {what: received[f"r{local}-{what}"] for what in RANK_SEGMENTS[1:] if f"r{local}-{what}" in received}
+    if local == 0 and spec.tier2.enabled and "parity2" in received:  # the node's: created with local rank 0's store
         contents["parity2"] = received["parity2"]
     return copy_in_store(spec, contents)
+
+
+def _verify(stores: list[RetainedStore], strict: bool) -> int:
+    """Pages whose checksum (as received) matches. A mirror's copy is a prepared iteration:
+    every page, gradients included, must match. A replica comes as the source had it, chunks
+    in flight and damage included: the spare's recovery restores and repairs it like the
+    source's (and refuses what it cannot), so a mismatch here is counted, not refused."""
+    good = 0
+    for new in stores:
+        damaged = find_damage(new, include_grads=True)
+        if damaged and strict:
+            raise TransferError(f"rank {new.spec.rank}: {len(damaged)} page(s) do not match the source's page "
+                                f"checksums after the transfer (first: {damaged[:5]})")
+        good += new.layout.n_pages - len(damaged)
+    return good
+
+
+def _encode(stores: list[RetainedStore]) -> None:
+    """Tier 1 of each rebuilt rank and tier 2 across them, from the received pages."""
+    for new in stores:
+        encode_all(new, ParityCodes(new))
+    encode_tier2(stores, ParityCodes(stores[0]))
 
 
 def _not_transferable(stores: dict[int, RetainedStore], source: int, node: int) -> str | None:
     """Why this node's stores cannot stand in for ``node``'s (local rank for local rank)."""
     for s in stores.values():
         spec = s.spec
-        if spec.config.backend != "cpu":
-            return (f"rank {spec.rank}'s retained state is in device memory (backend {spec.config.backend!r}): "
-                    "moving it to a spare is not supported yet")
-        if not spec.replica_shards:
-            return (f"rank {spec.rank} holds a shard of the training state (FSDP2 without replicas, or ZeRO-1) that "
-                    "no other node has: no replica to rebuild the lost node's ranks from")
         lost_rank = node * spec.n_local + spec.local_rank
         if lost_rank % spec.replica_shards != spec.rank % spec.replica_shards:
             return (f"rank {spec.rank} holds shard {spec.rank % spec.replica_shards} of {spec.replica_shards}, lost "
                     f"rank {lost_rank} shard {lost_rank % spec.replica_shards}: node {source} holds no replica of "
                     f"node {node}'s shards (lay out HSDP's replicate dimension across nodes)")
+    return None
+
+
+def _no_copy(stores: dict[int, RetainedStore]) -> str | None:
+    iterations = {local: copy[0] if (copy := newest_copy(s)) else None for local, s in stores.items()}
+    missing = [stores[local].spec.rank for local, it in iterations.items() if it is None]
+    if missing:
+        return f"rank(s) {missing} hold no complete copy of their predecessor's state yet (no step prepared)"
     return None
 
 
@@ -174,6 +243,18 @@ def _segments(stores: dict[int, RetainedStore]) -> list[tuple[str, torch.Tensor]
     first = stores[0]
     if "parity2" in first.segments:
         out.append(("parity2", first.segments["parity2"].tensor))
+    return out
+
+
+def _copies(stores: dict[int, RetainedStore]) -> list[tuple[str, torch.Tensor]]:
+    """Each local rank's spec (the layout the lost rank shared) and its newest copy of the
+    lost rank's data and meta."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for local, s in sorted(stores.items()):
+        copy = newest_copy(s)
+        assert copy is not None  # _no_copy refused otherwise
+        data, meta = copy_parts(s, copy[1])
+        out += [(f"r{local}-spec", s.segments["spec"].tensor), (f"r{local}-data", data), (f"r{local}-meta", meta)]
     return out
 
 

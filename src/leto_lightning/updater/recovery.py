@@ -10,7 +10,9 @@ For the ranks of one node (a single rank is a node of one):
 2. **Repair** damaged pages (checksum mismatches) from tier-1 and tier-2 parity.
 3. **Agree** on the resume point: if every rank prepared iteration ``t``, roll forward; if
    some never prepared it, abort ``t`` everywhere (nothing of it can have committed: the
-   prepare barrier comes first).
+   prepare barrier comes first). A rank still prepared at an earlier iteration than ``t`` (a
+   spare rebuilt from the cross-node tier's copy, ``updater/tier3.py``) rolls that one forward:
+   every other rank committed it before preparing ``t``.
 4. **Verify parity**: re-encode every group whose parity differs from its verified data (a
    damaged parity page, or parity an interrupted transaction -- or an interrupted earlier
    recovery -- half-updated).
@@ -318,7 +320,8 @@ def decide_and_roll_forward(stores, records, reports, codes: ParityCodes, target
             report.committed_iteration = rec.iteration  # the step is re-run bit-identically on bind
             report.payload = rec.payload
             continue
-        if rec.prepared and everyone_reached:
+        behind = target is not None and rec.iteration < target  # every other rank committed it already
+        if rec.prepared and (everyone_reached or (behind and not rec.open)):
             report.rolled_forward = roll_forward(store, rec, codes, fused_adam)
             rec = dataclasses.replace(rec, status=RecordStatus.COMMITTED)
         elif rec.prepared:

@@ -35,6 +35,7 @@ from ..retained.record import ProgressEntry, RecordStatus
 from ..retained.shm import new_job_id
 from ..retained.store import FLAG_GENERIC_STATE_BOUND, RetainedStore, StoreSpec
 from .store_setup import encode_all, no_barrier, set_up_store
+from .tier3 import mirror_for
 from .transaction import ChunkTransactions, ParityCodes
 from .whole_state import UnsupportedOptimizerError, WholeStateTransactions, bind_generic_state, probe_state
 
@@ -155,6 +156,10 @@ class RetainedOptimizer:
         self._before: object = None  # rollback window: the sealed payload the open iteration started from
         self._has_before = False  # a step in this process set _before
         self.window = WindowPhase.SEALED
+        if store.config.tier3_parity and (barrier is None or rollback_window):
+            raise ConfigurationError("tier3_parity=1 needs the step's agreement across every rank (a barrier; the "
+                                     "FSDP2 and data-parallel bindings pass one) and no rollback window")
+        self._mirror = mirror_for(store)  # tier 3: after each prepare, the state to the next node
 
     @classmethod
     def create(cls, optimizer: torch.optim.Optimizer, config: RetainedConfig | None = None, *,
@@ -371,7 +376,8 @@ class RetainedOptimizer:
             self.window = WindowPhase.OPEN
         else:
             payload = self.payload_fn() if self.payload_fn is not None else None
-        self.txn.run(self.iteration, hyperparameters(self.optimizer), payload, skip, self.barrier)
+        self.txn.run(self.iteration, hyperparameters(self.optimizer), payload, skip, self.barrier,
+                     after_prepare=self._mirror)
         self.iteration += 1
         return loss
 

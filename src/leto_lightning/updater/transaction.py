@@ -105,9 +105,13 @@ class ChunkTransactions:
         payload: object = None,
         skip_params: Sequence[int] = (),
         barrier: Callable[[], None] | None = None,
+        after_prepare: Callable[[int], None] | None = None,
     ) -> None:
-        """Prepare, agree (``barrier``), update every chunk, commit."""
+        """Prepare, ``after_prepare`` (tier 3: the prepared state to the next node), agree
+        (``barrier``), update every chunk, commit."""
         self.prepare(iteration, hparams, payload, skip_params)
+        if after_prepare is not None:
+            after_prepare(iteration)
         point("prepare.barrier", iteration=iteration)
         if barrier is not None:
             barrier()
