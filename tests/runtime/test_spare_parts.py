@@ -11,6 +11,7 @@ memory, a real gloo pair between two threads (one process: no fresh interpreter 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -28,9 +29,12 @@ from leto_lightning.runtime.control import SignedStore, host_store
 from leto_lightning.runtime.keys import AGENT_BEAT, STORE_READY
 from leto_lightning.runtime.membership import AgentBeat, Membership
 from leto_lightning.runtime.spec import LaunchSpec
-from leto_lightning.runtime.transfer import receive_node_state, send_node_state
+from leto_lightning.runtime.transfer import plan, receive_node_state, send_node_state
+from leto_lightning.updater.recovery import recover_node
+from leto_lightning.updater.repair import find_damage
 from leto_lightning.updater.retained_optimizer import RetainedOptimizer, config_for, layout_for
-from leto_lightning.updater.store_setup import set_up_store
+from leto_lightning.updater.store_setup import no_barrier, set_up_store
+from leto_lightning.updater.tier3 import MAGIC, copy_parts, slots
 
 SECRET = os.urandom(16).hex().encode()
 CONFIG = RetainedConfig(page_bytes=4096, data_pages=4, tier1_parity=1, tier2_parity=1, record_bytes=1 << 14)
@@ -131,33 +135,37 @@ def test_a_spare_that_died_before_it_was_needed_is_not_claimed(stores):
 # -- the state transfer ------------------------------------------------------------------------
 
 def _replicated_store(job_id: str, rank: int, node: int, local_rank: int, replica_shards: int = 1,
-                      seed: int = 0) -> RetainedOptimizer:
+                      seed: int = 0, tier3: bool = False) -> RetainedOptimizer:
     """A rank's complete store after a few real AdamW steps (a DDP rank's when replica_shards=1)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    config = config_for(CONFIG, opt)
+    config = config_for(dataclasses.replace(CONFIG, tier3_parity=int(tier3)), opt)
     spec = StoreSpec(job_id, rank, node, local_rank, 1, layout_for(opt, config), config, replica_shards=replica_shards)
 
     def bind(store: RetainedStore) -> RetainedOptimizer:
-        ro = RetainedOptimizer(opt, store)
+        ro = RetainedOptimizer(opt, store, barrier=no_barrier)
         ro.bind(adopt=False)
         return ro
 
     ro = set_up_store(spec, bind, barrier=None, settings=None, attach_with="test")
-    for _ in range(3):
+    ro._mirror = None  # one process, no process group: tier 3's copy is made by hand below (_copy_of_itself)
+    for _ in range(3):  # the last step's gradients stay, with their checksums: as at a prepare
+        opt.zero_grad(set_to_none=False)
         model(torch.randn(4, 32)).square().sum().backward()
         ro.step()
-        opt.zero_grad(set_to_none=False)
     return ro
 
 
 def _transfer(connect, source_job: str, spare_job: str) -> tuple:
+    """Node 0 (rank 0) to the spare of lost node 1 (rank 1), as the survivors plan it."""
     reports: dict[str, object] = {}
+    source = RetainedStore.attach(source_job, 0)
+    how = plan(source.spec, node=1, lost={1}, nnodes=2)
+    source.close()
 
     def send() -> None:
-        reports["sent"] = send_node_state(connect(), source_job, [0], source=0, node=1, generation=1,
-                                          timeout=TIMEOUT)
+        reports["sent"] = send_node_state(connect(), source_job, [0], how, generation=1, timeout=TIMEOUT)
 
     sender = threading.Thread(target=send)
     sender.start()
@@ -172,7 +180,8 @@ def test_a_replica_arrives_byte_for_byte_as_the_lost_rank(stores):
     try:
         sent, received = _transfer(stores, source_job, spare_job)
         assert sent.problem is None and received.problem is None, (sent, received)
-        assert received.nbytes == sent.nbytes > 0 and received.pages_verified == ro.store.layout.n_pages
+        assert received.nbytes == sent.nbytes > 0
+        assert received.pages_verified == len(ro.store.layout.update_pages)  # all but the gradients
         copy = RetainedStore.attach(spare_job, 1)  # as a trainer of the spare opens it
         assert (copy.spec.rank, copy.spec.node, copy.spec.job_id) == (1, 1, spare_job) and copy.is_complete()
         assert torch.equal(copy.segments["data"].tensor, ro.store.segments["data"].tensor)
@@ -185,11 +194,61 @@ def test_a_replica_arrives_byte_for_byte_as_the_lost_rank(stores):
         unlink_segments(spare_job)
 
 
-def test_a_page_its_checksum_does_not_vouch_for_is_refused_and_nothing_is_left(stores):
+def test_a_replica_comes_as_it_is_and_its_damage_is_left_to_the_spares_repair(stores):
+    """Sent before anyone repairs: a damaged page arrives damaged (counted, not refused) and the
+    spare's recovery repairs it from tier 1 like the source's."""
     source_job, spare_job = new_job_id(), new_job_id()
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0)
     try:
-        ro.store.segments["data"].tensor[100] ^= 0xFF  # damage after the last checksum: not what the source vouches for
+        ro.store.segments["data"].tensor[100] ^= 0xFF  # damage the page checksums do not vouch for
+        sent, received = _transfer(stores, source_job, spare_job)
+        assert sent.problem is None and received.problem is None
+        assert received.pages_verified == len(ro.store.layout.update_pages) - 1
+        copy = RetainedStore.attach(spare_job, 1)
+        report = recover_node({0: copy})[0]
+        assert report.repair.repaired == 1 and find_damage(copy, include_grads=False) == []
+        copy.close()
+    finally:
+        ro.store.close()
+        unlink_segments(source_job)
+        unlink_segments(spare_job)
+
+
+def _copy_of_itself(store: RetainedStore, iteration: int) -> None:
+    """Slot ``iteration % 2`` of the cross-node tier holding a copy of this very rank's pages and
+    metadata, marked complete -- what ``NodeMirror.refresh`` leaves on the next node."""
+    header, parts = slots(store)
+    data, meta = copy_parts(store, parts[iteration % 2])
+    data.copy_(store.segments["data"].tensor)
+    meta.copy_(store.segments["meta"].tensor)
+    header[iteration % 2, 0], header[iteration % 2, 1] = iteration, MAGIC
+
+
+def test_a_cross_node_copy_is_rebuilt_and_re_encoded(stores):
+    source_job, spare_job = new_job_id(), new_job_id()
+    ro = _replicated_store(source_job, rank=0, node=0, local_rank=0, replica_shards=0, tier3=True)
+    try:
+        _copy_of_itself(ro.store, 3)
+        sent, received = _transfer(stores, source_job, spare_job)
+        assert sent.problem is None and received.problem is None, (sent, received)
+        assert received.pages_verified == ro.store.layout.n_pages
+        copy = RetainedStore.attach(spare_job, 1)
+        assert torch.equal(copy.segments["data"].tensor, ro.store.segments["data"].tensor)
+        assert torch.equal(copy.parity1, ro.store.parity1)  # tier 1 encoded again from the pages: the same
+        copy.close()
+    finally:
+        ro.store.close()
+        unlink_segments(source_job)
+        unlink_segments(spare_job)
+
+
+def test_a_cross_node_copy_its_checksums_do_not_vouch_for_is_refused_and_nothing_is_left(stores):
+    source_job, spare_job = new_job_id(), new_job_id()
+    ro = _replicated_store(source_job, rank=0, node=0, local_rank=0, replica_shards=0, tier3=True)
+    try:
+        _copy_of_itself(ro.store, 3)
+        _header, parts = slots(ro.store)
+        parts[1][100] ^= 0xFF  # a page of the copy, not what its checksums say
         sent, received = _transfer(stores, source_job, spare_job)
         assert "do not match the source's page checksums" in received.problem
         assert sent.problem == received.problem  # the source learns why
@@ -201,7 +260,7 @@ def test_a_page_its_checksum_does_not_vouch_for_is_refused_and_nothing_is_left(s
 
 
 @pytest.mark.parametrize("replica_shards, says", [
-    (0, "no other node has"),  # plain FSDP2 / ZeRO-1: one rank's shard
+    (0, "the cross-node tier is off"),  # plain FSDP2 / ZeRO-1: one rank's shard
     (2, "holds no replica of node 1's shards"),  # rank 0 holds shard 0 of 2, lost rank 1 shard 1
 ])
 def test_state_without_a_replica_on_the_source_is_refused(stores, replica_shards, says):

@@ -199,14 +199,16 @@ def _verify(stores: list[RetainedStore], strict: bool) -> int:
     """Pages whose checksum (as received) matches. A mirror's copy is a prepared iteration:
     every page, gradients included, must match. A replica comes as the source had it, chunks
     in flight and damage included: the spare's recovery restores and repairs it like the
-    source's (and refuses what it cannot), so a mismatch here is counted, not refused."""
+    source's (and refuses what it cannot), so a mismatch here is counted, not refused; and its
+    gradients count only where a roll-forward needs them (the recovery checks those)."""
     good = 0
     for new in stores:
-        damaged = find_damage(new, include_grads=True)
+        checked = new.layout.n_pages if strict else len(new.layout.update_pages)
+        damaged = find_damage(new, include_grads=strict)
         if damaged and strict:
             raise TransferError(f"rank {new.spec.rank}: {len(damaged)} page(s) do not match the source's page "
                                 f"checksums after the transfer (first: {damaged[:5]})")
-        good += new.layout.n_pages - len(damaged)
+        good += checked - len(damaged)
     return good
 
 

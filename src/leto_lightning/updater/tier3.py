@@ -102,5 +102,15 @@ class NodeMirror:
 
 
 def mirror_for(store: RetainedStore) -> Callable[[int], None] | None:
-    """The refresh a rank's chunk transactions call after each prepare, if tier 3 is on."""
-    return NodeMirror(store).refresh if store.config.tier3_parity else None
+    """The refresh a rank's chunk transactions call after each prepare, if tier 3 is on (the
+    mirror is made at the first one: binding needs no process group)."""
+    if not store.config.tier3_parity:
+        return None
+    made: list[NodeMirror] = []
+
+    def refresh(iteration: int) -> None:
+        if not made:
+            made.append(NodeMirror(store))
+        made[0].refresh(iteration)
+
+    return refresh
