@@ -6,6 +6,8 @@ Lifecycle of one failure (docs/design.md section 2.5)::
     recover retained state (undo-restore, repair, roll forward) -> promote the shadows (or start
     cold trainers that attach) -> wait until every rank resumed -> start fresh shadows
     non-HOF (or damage beyond parity): stop everything -> checkpoint restart
+    a lost node (``--spares``: its agent stopped beating): a spare takes its slot, receives its
+        ranks' state from a replica or the cross-node tier, and joins the in-place recovery
 
 A failure while recovering simply starts the next generation. Every step is in the event log.
 
@@ -124,35 +126,9 @@ class Agent:
             say(omp, self.out)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            store = self._start_store()
-            membership = Membership(store, self.spec, self.config.node_timeout, self.config.startup_timeout)
-            if membership.watching:
-                self._beat = AgentBeat(self._signed_client(), self.spec.node_rank,
-                                       beat_interval(self.config.node_timeout)).start()
-            assignment = self._wait_as_spare(store, membership) if self.spec.is_spare else None
-            if self.spec.is_spare:  # the job finished without needing this spare
-                self._advance(JobPhase.RUNNING)
-                self._advance(JobPhase.FINISHED)
+            parts = self._start()
+            if parts is None:  # a spare the job finished without
                 return 0
-            parts = self._parts = self._assemble(store, membership)
-            self.job.agreed(parts.lockstep.shared_job_id(self.job.job_id))
-            self.state_managers = NodeStateManagers.launch(self.spec.run_dir, self.job.job_id,
-                                                         range(self.spec.nproc_per_node))
-            parts.trainers.cuda_manager = self.state_managers.address
-            parts.recovery.xids = self.xids = XidMonitor.start()
-            if self.xids.note and self.state_managers.managers:  # a CUDA build: the job may train on GPUs
-                notice(self.xids.note, self.out)
-            self.events.write(JobStarted(generation=0, port=self.port, world_size=self.spec.world_size,
-                                         job_id=self.job.job_id, node_rank=self.spec.node_rank,
-                                         script=self.spec.script, pid=os.getpid()))
-            if assignment is not None:  # a spare taking over a lost node: it joins the survivors' recovery
-                if self._warm is not None:
-                    parts.trainers.template, self._warm.template = self._warm.template, None
-                parts.recovery.join(assignment)
-            else:
-                parts.trainers.start_actives(resume=ResumeMode.FRESH)
-                parts.trainers.start_shadows()
-                parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
             self._advance(JobPhase.RUNNING)
             return self._loop(parts)
         except JobInterrupted as exc:
@@ -172,6 +148,42 @@ class Agent:
             self._shutdown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _start(self) -> _Parts | None:
+        """The store, this agent's beat (a job with spares), the parts, the first trainers -- or,
+        a spare, its wait for a lost node to take over (None: the job finished without it)."""
+        store = self._start_store()
+        membership = Membership(store, self.spec, self.config.node_timeout, self.config.startup_timeout)
+        if membership.watching:
+            self._beat = AgentBeat(self._signed_client(), self.spec.node_rank,
+                                   beat_interval(self.config.node_timeout)).start()
+        assignment = None
+        if self.spec.is_spare:
+            assignment = self._wait_as_spare(store, membership)
+            if assignment is None:
+                self._advance(JobPhase.RUNNING)
+                self._advance(JobPhase.FINISHED)
+                return None
+        parts = self._parts = self._assemble(store, membership)
+        self.job.agreed(parts.lockstep.shared_job_id(self.job.job_id))
+        self.state_managers = NodeStateManagers.launch(self.spec.run_dir, self.job.job_id,
+                                                     range(self.spec.nproc_per_node))
+        parts.trainers.cuda_manager = self.state_managers.address
+        parts.recovery.xids = self.xids = XidMonitor.start()
+        if self.xids.note and self.state_managers.managers:  # a CUDA build: the job may train on GPUs
+            notice(self.xids.note, self.out)
+        self.events.write(JobStarted(generation=0, port=self.port, world_size=self.spec.world_size,
+                                     job_id=self.job.job_id, node_rank=self.spec.node_rank,
+                                     script=self.spec.script, pid=os.getpid()))
+        if assignment is not None:  # a spare taking over a lost node: it joins the survivors' recovery
+            if self._warm is not None:
+                parts.trainers.template, self._warm.template = self._warm.template, None
+            parts.recovery.join(assignment)
+        else:
+            parts.trainers.start_actives(resume=ResumeMode.FRESH)
+            parts.trainers.start_shadows()
+            parts.trainers.start_template()  # imports beside the first trainers; later ones fork from it
+        return parts
 
     def _loop(self, parts: _Parts) -> int:
         while True:
