@@ -18,7 +18,8 @@ or aborted with the job (``updater.recovery``). Metadata travels with the pages:
 record (with the resume payload), step counters and page checksums of the lost rank.
 
 Cost: twice the rank's data and metadata in host memory on the next node, and the rank's data
-sent once per step (measured in ``benchmarks/tier3_cost.py``).
+sent once per step (measured in ``benchmarks/tier3_cost.py``). It assumes every rank's store has
+the same layout (FSDP2's padded shards: true) and host memory (``backend="cpu"``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class NodeMirror:
         if self.nodes < 2 or world % self.n_local:
             raise ConfigurationError(f"tier3_parity=1 copies each rank's state to the next node: it needs 2 or more "
                                      f"nodes of equal size (world size {world}, {self.n_local} ranks per node)")
+        if spec.config.backend != "cpu":
+            raise ConfigurationError("tier3_parity=1 copies host memory between nodes: it needs backend='cpu' for now")
         self.store, self.node = store, spec.node
         self._group: dist.ProcessGroup | None = None
         self._header, self._slots = slots(store)
