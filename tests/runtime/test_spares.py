@@ -57,14 +57,14 @@ def references(tmp_path_factory):
     return reference
 
 
-def _start_nodes(tmp: Path, port: int, job: Job = DDP) -> list[subprocess.Popen]:
+def _start_nodes(tmp: Path, port: int, job: Job = DDP, faults=(), extra=()) -> list[subprocess.Popen]:
     """Node agents 0 and 1 and spare agent 2, each in a process group of its own (a machine)."""
     procs = []
     for node in range(3):
-        extra = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--spares", "1",
-                 "--node-timeout", "3"]
-        args = launch_args(tmp / f"node{node}", ITERATIONS, extra=extra, nproc=NPROC, script=job.script,
-                           script_args=[*job.args, *job.slow_down])
+        options = ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port), "--spares", "1",
+                   "--node-timeout", "3", *extra]
+        args = launch_args(tmp / f"node{node}", ITERATIONS, faults=faults, extra=options, nproc=NPROC,
+                           script=job.script, script_args=[*job.args, *job.slow_down])
         procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True))
     return procs
@@ -202,6 +202,34 @@ def test_unreplicated_shards_come_back_from_the_cross_node_tier(tmp_path, refere
     assert not node0.of("fallback_checkpoint")
     (received,) = spare.of("state_transferred")
     assert received["problem"] is None and received["pages_verified"] > 0
+    for rank in range(2 * NPROC):
+        holder = node0 if rank < NPROC else spare
+        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_failure_that_is_not_a_hof_retires_its_node_and_a_spare_takes_over(tmp_path, references, monkeypatch):
+    """Rank 2 exits with a code declared not a HOF (its device is not operable): node 1 leaves
+    the job (trainers stopped, retained memory freed, exit 0), the spare takes its slot with the
+    state of node 0's replicas; no checkpoint restart, bit-identical."""
+    monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
+    reference = references(DDP)
+    faults = [{"id": 0, "rank": 2, "iteration": 6, "point": "compute.begin", "action": "exit", "code": 42}]
+    # the iteration's sleep comes before its all-reduce: node 1's agent sees rank 2's exit and
+    # publishes its verdict before the other ranks' collectives fail (the first verdict decides)
+    slow = Job(PLAIN_DDP, slow_down=("--sleep", "0.5"))
+    procs = _start_nodes(tmp_path, free_port(), slow, faults=faults, extra=["--non-hof-exit-code", "42"])
+    try:
+        node0, node1, spare = (finish(p, tmp_path / f"node{n}") for n, p in enumerate(procs))
+    finally:
+        _end(procs)
+    for run_ in (node0, node1, spare):
+        assert run_.returncode == 0, run_.output[-3000:]
+    (retired,) = node1.of("node_retired")
+    assert "exit code 42 declared non-HOF" in retired["reason"]
+    assert [(e["node"], e["spare"]) for e in node0.of("node_lost")] == [(1, 2)]
+    assert not node0.of("fallback_checkpoint")
     for rank in range(2 * NPROC):
         holder = node0 if rank < NPROC else spare
         assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"

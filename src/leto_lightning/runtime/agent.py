@@ -49,10 +49,11 @@ from .event_types import (
 )
 from .event_types import JobInterrupted as JobInterruptedEvent  # phases.JobInterrupted: the exception
 from .event_types import JobStopped as JobStoppedEvent
+from .event_types import NodeRetired as NodeRetiredEvent  # phases.NodeRetired: the exception
 from .events import EventLog
 from .membership import AgentBeat, Membership, beat_interval
 from .messages import NodeAssignment
-from .phases import JOB_TRANSITIONS, JobInterrupted, JobPhase, JobStopped, PhaseTracker
+from .phases import JOB_TRANSITIONS, JobInterrupted, JobPhase, JobStopped, NodeRetired, PhaseTracker
 from .reclaim import ReclaimConfig, ReclaimPolicy, ShadowReclaimer, check_supported
 from .recovery_flow import Recovery
 from .rundir import claim as claim_run_dir
@@ -131,6 +132,11 @@ class Agent:
                 return 0
             self._advance(JobPhase.RUNNING)
             return self._loop(parts)
+        except NodeRetired as exc:  # its part of the job goes on on a spare
+            self._advance(JobPhase.STOPPED)
+            self.events.try_write(NodeRetiredEvent(generation=self.job.generation, reason=str(exc)))
+            notice(str(exc), self.out)
+            return 0
         except JobInterrupted as exc:
             self._advance(JobPhase.INTERRUPTED)
             self.events.try_write(JobInterruptedEvent(generation=self.job.generation, signal=exc.signum))

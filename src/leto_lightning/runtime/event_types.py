@@ -246,6 +246,14 @@ class NodeLostEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeRetired(Event):
+    """This node left the job: its failure was not a HOF and a spare was free."""
+
+    NAME = "node_retired"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class SpareJoined(Event):
     """This spare agent took over a lost node's slot after waiting warm for ``waited_s``."""
 
@@ -299,7 +307,7 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.NAME: cls for cls in (
     JobStarted, JobStopped, JobInterrupted, JobFinished, RunDirLockTakenOver, ProcessStarted, WarmTemplateReport,
     ShadowLevelReached, ShadowFailed, ShadowLevelChanged, MemoryOverBudget, FailureDetected, Classification,
     RecoveryStarted, ShadowsPromoted, ColdStart, RecoveryFailed, RecoveryFinished, FallbackCheckpoint,
-    CheckpointRestartFinished, NodeLostEvent, SpareJoined, StateTransferred, ControlMessageRejected,
+    CheckpointRestartFinished, NodeLostEvent, NodeRetired, SpareJoined, StateTransferred, ControlMessageRejected,
     ControlKeyMissing)}
 
 

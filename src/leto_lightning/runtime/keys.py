@@ -27,4 +27,5 @@ SPARE_ASSIGN = "assign/{launch}"  # json NodeAssignment: spare ``launch`` takes 
 TRANSFER = "xfer/{gen}/{node}/"  # namespace of one state transfer to the spare of node slot ``node``
 TRANSFER_MANIFEST = "xfer/{gen}/{node}/manifest"  # json TransferManifest: what the source sends, with digests
 TRANSFER_DONE = "xfer/{gen}/{node}/done"  # the receiving spare verified every segment (or says why not)
+RETIRED = "retired/{launch}"  # the agent of launch node rank ``launch`` took its node out of the job (not a HOF)
 JOB_OVER = "job/over"  # node 0: every node finished; spares still waiting exit

@@ -9,8 +9,9 @@ machines does not matter), as the agent tells a trainer's heartbeat.
 
 A slot is **lost** when the beat of the agent holding it has not changed for ``node_timeout``
 seconds (``startup_timeout`` before its first beat): its machine, its retained memory and its
-devices count as gone. Slot 0 is never replaced: its agent hosts the job's store, and losing
-it ends the store (and the job) for everyone.
+devices count as gone. An agent whose own failure was not a HOF (its device is not operable)
+*retires* its node (``keys.RETIRED``): lost at once. Slot 0 is never replaced: its agent hosts
+the job's store, and losing it ends the store (and the job) for everyone.
 
 A lost slot gets a spare (``claim_spare``): the first alive spare whose assignment key
 (``keys.SPARE_ASSIGN``, first writer wins) takes this slot's ``NodeAssignment``. Every surviving
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from .control import SignedStore
-from .keys import AGENT_BEAT, JOB_OVER, SLOT_HOLDER, SPARE_ASSIGN
+from .keys import AGENT_BEAT, JOB_OVER, RETIRED, SLOT_HOLDER, SPARE_ASSIGN
 from .messages import NodeAssignment
 from .spec import LaunchSpec
 
@@ -94,6 +95,8 @@ class Membership:
         if self.watching and now - self._polled >= self._interval:
             self._polled = now
             self._lost = [n for n in range(self.nnodes) if n != self.slot and not self.alive(self.holder(n), now)]
+            self._lost += [n for n in range(self.nnodes) if n != self.slot and n not in self._lost
+                           and self.store.read(RETIRED.format(launch=self.holder(n))) is not None]
             for spare in self.spares:  # so that a spare dead before it was needed is never claimed
                 if spare != self.launch:
                     self.alive(spare, now)
@@ -108,6 +111,15 @@ class Membership:
             return True
         limit = self.node_timeout if beat is not None else self.startup_timeout
         return now - seen[1] <= limit
+
+    def free_spares(self) -> list[int]:
+        """The spares alive and not yet assigned (as this agent sees them now)."""
+        return [s for s in self.spares if self.store.read(SPARE_ASSIGN.format(launch=s)) is None and self.alive(s)]
+
+    def retire(self) -> None:
+        """This agent takes its node out of the job (its device is not operable): the others
+        count its slot lost at once instead of after the node timeout."""
+        self.store.set(RETIRED.format(launch=self.launch), "1")
 
     def claim_spare(self, node: int, generation: int) -> NodeAssignment | None:
         """The spare that takes over slot ``node`` in ``generation`` (module doc), or None."""

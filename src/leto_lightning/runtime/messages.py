@@ -122,6 +122,7 @@ class Verdict:
     device: str  # where the device's health came from (NVML, or a CPU job)
     node: int  # the node that classified it
     stop: bool = False  # no restart can help: stop the job
+    replace: bool = False  # not a HOF, and a spare is free: the node leaves, a spare takes its slot
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

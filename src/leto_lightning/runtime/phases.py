@@ -54,6 +54,11 @@ class NodeLost(LetoError):
         self.nodes = nodes
 
 
+class NodeRetired(LetoError):
+    """This node left the job (a failure that is not a HOF, with a spare free): a spare takes
+    its slot; its agent stops its trainers, frees its memory and exits."""
+
+
 class JobInterrupted(LetoError):
     """A stop request (SIGINT/SIGTERM to the launcher) won over whatever the agent was doing."""
 

@@ -66,7 +66,7 @@ from .messages import (
     TrainerPhase,
     Verdict,
 )
-from .phases import RECOVERY_TRANSITIONS, JobStopped, NodeLost, PhaseTracker, RecoveryPhase
+from .phases import RECOVERY_TRANSITIONS, JobStopped, NodeLost, NodeRetired, PhaseTracker, RecoveryPhase
 from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, SummaryExchange, repair_node_stores
 from .spec import LaunchSpec
@@ -142,6 +142,10 @@ class Recovery:
             raise JobStopped(f"{failure.describe()}: {verdict.reason}")
         if verdict.hof:
             return self._in_place(failure)
+        if verdict.replace:  # the failed node leaves; the others replace it like a lost node
+            if verdict.node == self.spec.node_rank:
+                self._retire(verdict)
+            return self._in_place(failure)
         self._restart = (failure.detected_at, failure.iteration)
         return self._restart_from_checkpoint(f"non-HOF failure: {verdict.reason}")
 
@@ -151,8 +155,10 @@ class Recovery:
             return failure.remote_verdict
         index = self.spec.device_index(failure.rank)
         v = classify(failure, self.config, device_health(index, self.xids.drain().get(index)))
+        replace = (not v.hof and not v.stop and self.spec.node_rank != 0 and self.membership is not None
+                   and bool(self.membership.free_spares()))
         mine = Verdict(rank=failure.rank, hof=v.hof, reason=v.reason, device=v.device.source,
-                       node=self.spec.node_rank, stop=v.stop)
+                       node=self.spec.node_rank, stop=v.stop, replace=replace)
         return Verdict.from_json(self.store.compare_set(FAILURE.format(gen=self.job.generation), "",
                                                         mine.to_json()))
 
@@ -239,6 +245,15 @@ class Recovery:
         if not self.config.defer_shadow_restart:
             self.trainers.start_shadows()  # in the background: training goes on meanwhile
         return None  # deferred: started once the first iteration after resuming completed
+
+    def _retire(self, verdict: Verdict) -> None:
+        """This node's failure was not a HOF and a spare is free: stop every trainer, free the
+        retained memory (its device is not operable), leave the slot to a spare."""
+        self.trainers.stop_all()
+        unlink_segments(self.job.job_id)
+        assert self.membership is not None  # a verdict says replace only with spares
+        self.membership.retire()
+        raise NodeRetired(f"node {self.spec.node_rank} leaves the job ({verdict.reason}): a spare takes its place")
 
     def _sync_replacing_lost(self, message: NodeStopped) -> None:
         """The recovery's first lockstep step; a lost node's slot is given a spare, which
