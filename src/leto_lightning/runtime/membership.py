@@ -94,9 +94,9 @@ class Membership:
         now = time.monotonic()
         if self.watching and now - self._polled >= self._interval:
             self._polled = now
-            self._lost = [n for n in range(self.nnodes) if n != self.slot and not self.alive(self.holder(n), now)]
-            self._lost += [n for n in range(self.nnodes) if n != self.slot and n not in self._lost
-                           and self.store.read(RETIRED.format(launch=self.holder(n))) is not None]
+            holders = {n: self.holder(n) for n in range(self.nnodes) if n != self.slot}
+            self._lost = [n for n, agent in holders.items()  # alive() first: it records every beat seen
+                          if not self.alive(agent, now) or self.store.read(RETIRED.format(launch=agent)) is not None]
             for spare in self.spares:  # so that a spare dead before it was needed is never claimed
                 if spare != self.launch:
                     self.alive(spare, now)

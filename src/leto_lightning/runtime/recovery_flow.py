@@ -71,7 +71,7 @@ from .recovery_books import RecoveryBooks, RecoveryTiming, Resumption
 from .repair_step import RepairOutcome, SummaryExchange, repair_node_stores
 from .spec import LaunchSpec
 from .trainers import Trainers, stopped
-from .transfer import plan, receive_node_state, send_node_state
+from .transfer import TransferReport, plan, receive_node_state, send_node_state
 from .xid import XidMonitor
 
 log = logging.getLogger(__name__)
@@ -278,8 +278,8 @@ class Recovery:
             raise JobStopped(f"node {node} lost (its agent stopped beating for {self.config.node_timeout:.0f} s) and "
                              f"cannot be replaced: {why}. The job cannot go on at its size: relaunch it, the script "
                              "resumes from its last checkpoint")
-        notice(f"node {node} lost: spare agent {assignment.spare} takes its place with its ranks' state from a "
-               "replica", self.out)
+        notice(f"node {node} lost: spare agent {assignment.spare} takes its place with its ranks' state from the "
+               "other nodes", self.out)
         self._incoming[node] = assignment
 
     def _repair_job_retained(self) -> RepairOutcome:
@@ -320,12 +320,7 @@ class Recovery:
                     "arrived: no state to resume from")
         report = receive_node_state(self.store, self.job.job_id, self.spec.local_ranks, assignment.node,
                                     assignment.generation, timedelta(seconds=self.config.startup_timeout))
-        self._transfer_s += report.seconds
-        self.events.write(StateTransferred(generation=self.job.generation, node=assignment.node, source=report.source,
-                                           side="receiver", bytes=report.nbytes, seconds=round(report.seconds, 4),
-                                           pages_verified=report.pages_verified, problem=report.problem))
-        return None if report.problem is None else f"state transfer to the spare of node {assignment.node}: " \
-                                                    f"{report.problem}"
+        return self._record_transfer(report, "receiver")
 
     def _send_state(self) -> str | None:
         """Each lost node's source (``transfer.plan``: a replica's first survivor, or the lost
@@ -344,13 +339,20 @@ class Recovery:
                 continue
             report = send_node_state(self.store, self.job.job_id, self.spec.local_ranks, how, assignment.generation,
                                      timedelta(seconds=self.config.startup_timeout))
-            self._transfer_s += report.seconds
-            self.events.write(StateTransferred(
-                generation=self.job.generation, node=node, source=report.source, side="source", bytes=report.nbytes,
-                seconds=round(report.seconds, 4), pages_verified=None, problem=report.problem))
-            if report.problem is not None:
-                return f"state transfer to the spare of node {node}: {report.problem}"
+            problem = self._record_transfer(report, "source")
+            if problem is not None:
+                return problem
         return None
+
+    def _record_transfer(self, report: TransferReport, side: str) -> str | None:
+        """One side of a transfer into the books and the event log; why it failed, if it did."""
+        self._transfer_s += report.seconds
+        self.events.write(StateTransferred(
+            generation=self.job.generation, node=report.node, source=report.source, side=side, bytes=report.nbytes,
+            seconds=round(report.seconds, 4), pages_verified=report.pages_verified if side == "receiver" else None,
+            problem=report.problem))
+        return None if report.problem is None else f"state transfer to the spare of node {report.node}: " \
+                                                    f"{report.problem}"
 
     def _unready_store(self) -> str | None:
         """Why the stores this agent repairs cannot be used for resuming, if one never got its
