@@ -134,6 +134,16 @@ def test_a_spare_that_died_before_it_was_needed_is_not_claimed(stores):
 
 # -- the state transfer ------------------------------------------------------------------------
 
+@pytest.fixture
+def jobs():
+    """The source's and the spare's job ids; whatever either left in /dev/shm is freed, even
+    when a store's set-up failed before the test could."""
+    source_job, spare_job = new_job_id(), new_job_id()
+    yield source_job, spare_job
+    unlink_segments(source_job)
+    unlink_segments(spare_job)
+
+
 def _replicated_store(job_id: str, rank: int, node: int, local_rank: int, replica_shards: int = 1,
                       seed: int = 0, tier3: bool = False) -> RetainedOptimizer:
     """A rank's complete store after a few real AdamW steps (a DDP rank's when replica_shards=1)."""
@@ -174,8 +184,8 @@ def _transfer(connect, source_job: str, spare_job: str) -> tuple:
     return reports["sent"], reports["received"]
 
 
-def test_a_replica_arrives_byte_for_byte_as_the_lost_rank(stores):
-    source_job, spare_job = new_job_id(), new_job_id()
+def test_a_replica_arrives_byte_for_byte_as_the_lost_rank(stores, jobs):
+    source_job, spare_job = jobs
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0)
     try:
         sent, received = _transfer(stores, source_job, spare_job)
@@ -190,14 +200,12 @@ def test_a_replica_arrives_byte_for_byte_as_the_lost_rank(stores):
         assert stores().read(STORE_READY.format(job=spare_job, rank=1)) is not None
     finally:
         ro.store.close()
-        unlink_segments(source_job)
-        unlink_segments(spare_job)
 
 
-def test_a_replica_comes_as_it_is_and_its_damage_is_left_to_the_spares_repair(stores):
+def test_a_replica_comes_as_it_is_and_its_damage_is_left_to_the_spares_repair(stores, jobs):
     """Sent before anyone repairs: a damaged page arrives damaged (counted, not refused) and the
     spare's recovery repairs it from tier 1 like the source's."""
-    source_job, spare_job = new_job_id(), new_job_id()
+    source_job, spare_job = jobs
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0)
     try:
         ro.store.segments["data"].tensor[100] ^= 0xFF  # damage the page checksums do not vouch for
@@ -210,8 +218,6 @@ def test_a_replica_comes_as_it_is_and_its_damage_is_left_to_the_spares_repair(st
         copy.close()
     finally:
         ro.store.close()
-        unlink_segments(source_job)
-        unlink_segments(spare_job)
 
 
 def _copy_of_itself(store: RetainedStore, iteration: int) -> None:
@@ -224,8 +230,8 @@ def _copy_of_itself(store: RetainedStore, iteration: int) -> None:
     header[iteration % 2, 0], header[iteration % 2, 1] = iteration, MAGIC
 
 
-def test_a_cross_node_copy_is_rebuilt_and_re_encoded(stores):
-    source_job, spare_job = new_job_id(), new_job_id()
+def test_a_cross_node_copy_is_rebuilt_and_re_encoded(stores, jobs):
+    source_job, spare_job = jobs
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0, replica_shards=0, tier3=True)
     try:
         _copy_of_itself(ro.store, 3)
@@ -238,12 +244,10 @@ def test_a_cross_node_copy_is_rebuilt_and_re_encoded(stores):
         copy.close()
     finally:
         ro.store.close()
-        unlink_segments(source_job)
-        unlink_segments(spare_job)
 
 
-def test_a_cross_node_copy_its_checksums_do_not_vouch_for_is_refused_and_nothing_is_left(stores):
-    source_job, spare_job = new_job_id(), new_job_id()
+def test_a_cross_node_copy_its_checksums_do_not_vouch_for_is_refused_and_nothing_is_left(stores, jobs):
+    source_job, spare_job = jobs
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0, replica_shards=0, tier3=True)
     try:
         _copy_of_itself(ro.store, 3)
@@ -255,16 +259,14 @@ def test_a_cross_node_copy_its_checksums_do_not_vouch_for_is_refused_and_nothing
         assert list_segments(f"leto-{spare_job}") == []
     finally:
         ro.store.close()
-        unlink_segments(source_job)
-        unlink_segments(spare_job)
 
 
 @pytest.mark.parametrize("replica_shards, says", [
     (0, "the cross-node tier is off"),  # plain FSDP2 / ZeRO-1: one rank's shard
     (2, "holds no replica of node 1's shards"),  # rank 0 holds shard 0 of 2, lost rank 1 shard 1
 ])
-def test_state_without_a_replica_on_the_source_is_refused(stores, replica_shards, says):
-    source_job, spare_job = new_job_id(), new_job_id()
+def test_state_without_a_replica_on_the_source_is_refused(stores, jobs, replica_shards, says):
+    source_job, spare_job = jobs
     ro = _replicated_store(source_job, rank=0, node=0, local_rank=0, replica_shards=replica_shards)
     try:
         sent, received = _transfer(stores, source_job, spare_job)
@@ -272,4 +274,3 @@ def test_state_without_a_replica_on_the_source_is_refused(stores, replica_shards
         assert list_segments(f"leto-{spare_job}") == []
     finally:
         ro.store.close()
-        unlink_segments(source_job)

@@ -97,20 +97,32 @@ def _end(procs: list[subprocess.Popen]) -> None:
             p.communicate()
 
 
+def _lose_node_1(tmp: Path, job: Job, progress: Path, at: int) -> tuple:
+    """Three agents of ``job``; node 1 lost once ``progress`` (a run dir) logged rank 2's
+    iteration ``at``; node 0's and the spare's finished runs."""
+    procs = _start_nodes(tmp, free_port(), job)
+    try:
+        wait_for(lambda: _iterations_logged(progress, 2) >= at, 240, f"node 1 at iteration {at}")
+        _lose_node(procs[1], tmp / "node1")
+        return finish(procs[0], tmp / "node0"), finish(procs[2], tmp / "node2")
+    finally:
+        _end(procs)
+
+
+def _ends_as(reference, node0, spare) -> None:
+    """Every rank ends as without the failure (the spare ran ranks 2 and 3 from the replacement on)."""
+    for rank in range(2 * NPROC):
+        holder = node0 if rank < NPROC else spare
+        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+
+
 @pytest.mark.slow  # three launched agents (~45 s each case): CI's slow stage runs them
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("job", [DDP, HSDP], ids=["ddp", "hsdp"])
 def test_spare_takes_over_a_lost_node_bit_identical(tmp_path, references, monkeypatch, job):
     monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
     reference = references(job)
-    procs = _start_nodes(tmp_path, free_port(), job)
-    try:
-        wait_for(lambda: _iterations_logged(tmp_path / "node1", 2) >= 5, 240, "node 1 at iteration 5")
-        _lose_node(procs[1], tmp_path / "node1")
-        node0 = finish(procs[0], tmp_path / "node0")
-        spare = finish(procs[2], tmp_path / "node2")
-    finally:
-        _end(procs)
+    node0, spare = _lose_node_1(tmp_path, job, tmp_path / "node1", at=5)
     assert node0.returncode == 0, node0.output[-4000:]
     assert spare.returncode == 0, spare.output[-4000:]
     (lost,) = node0.of("node_lost")
@@ -124,10 +136,7 @@ def test_spare_takes_over_a_lost_node_bit_identical(tmp_path, references, monkey
     for result in (node0, spare):
         (done,) = result.of("recovery_finished")
         assert done["breakdown"]["transfer"] > 0 and done["resume_iteration"] >= 5
-    # the spare ran ranks 2 and 3 from the replacement on; every rank ends as without the failure
-    for rank in range(2 * NPROC):
-        holder = node0 if rank < NPROC else spare
-        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    _ends_as(reference, node0, spare)
 
 
 @pytest.mark.slow
@@ -166,14 +175,7 @@ def test_unreplicated_shards_fall_back_to_the_checkpoint_with_the_reason(tmp_pat
     reference = run(tmp_path / "reference", ITERATIONS, nproc=2 * NPROC, script=job.script,
                     script_args=["--checkpoint-every", "4", "--out", str(tmp_path / "reference-out")])
     assert reference.returncode == 0, reference.output[-3000:]
-    procs = _start_nodes(tmp_path, free_port(), job)
-    try:
-        wait_for(lambda: _iterations_logged(shared, 2) >= 6, 240, "node 1 past the first checkpoint")
-        _lose_node(procs[1], tmp_path / "node1")
-        node0 = finish(procs[0], tmp_path / "node0")
-        spare = finish(procs[2], tmp_path / "node2")
-    finally:
-        _end(procs)
+    node0, spare = _lose_node_1(tmp_path, job, shared, at=6)  # past the first checkpoint
     assert node0.returncode == 0 and spare.returncode == 0, node0.output[-3000:] + spare.output[-3000:]
     (fallback,) = node0.of("fallback_checkpoint")
     assert "holds a shard" in fallback["reason"] and "no other node has" in fallback["reason"]
@@ -190,21 +192,12 @@ def test_unreplicated_shards_come_back_from_the_cross_node_tier(tmp_path, refere
     next node): the spare rebuilds node 1's shards from node 0's copies, bit-identical."""
     monkeypatch.setenv("LETO_SECRET", os.urandom(16).hex())
     reference = references(Job(PLAIN_FSDP2))
-    procs = _start_nodes(tmp_path, free_port(), TIER3)
-    try:
-        wait_for(lambda: _iterations_logged(tmp_path / "node1", 2) >= 5, 240, "node 1 at iteration 5")
-        _lose_node(procs[1], tmp_path / "node1")
-        node0 = finish(procs[0], tmp_path / "node0")
-        spare = finish(procs[2], tmp_path / "node2")
-    finally:
-        _end(procs)
+    node0, spare = _lose_node_1(tmp_path, TIER3, tmp_path / "node1", at=5)
     assert node0.returncode == 0 and spare.returncode == 0, node0.output[-3000:] + spare.output[-3000:]
     assert not node0.of("fallback_checkpoint")
     (received,) = spare.of("state_transferred")
     assert received["problem"] is None and received["pages_verified"] > 0
-    for rank in range(2 * NPROC):
-        holder = node0 if rank < NPROC else spare
-        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    _ends_as(reference, node0, spare)
 
 
 @pytest.mark.slow
@@ -230,6 +223,4 @@ def test_a_failure_that_is_not_a_hof_retires_its_node_and_a_spare_takes_over(tmp
     assert "exit code 42 declared non-HOF" in retired["reason"]
     assert [(e["node"], e["spare"]) for e in node0.of("node_lost")] == [(1, 2)]
     assert not node0.of("fallback_checkpoint")
-    for rank in range(2 * NPROC):
-        holder = node0 if rank < NPROC else spare
-        assert same_state(holder.final(rank), reference.final(rank)) == [], f"rank {rank}"
+    _ends_as(reference, node0, spare)
