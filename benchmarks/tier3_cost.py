@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from leto_lightning.examples.plain_fsdp2 import VOCAB, ShardedLM
+from leto_lightning.examples import plain_fsdp2
+from leto_lightning.examples.plain_fsdp2 import VOCAB
 from leto_lightning.models.tiny import rank_batch
 from leto_lightning.retained.config import RetainedConfig
 from leto_lightning.retained.shm import new_job_id, unlink_segments
@@ -31,29 +32,21 @@ from leto_lightning.updater.fsdp2 import create_fsdp2
 CONFIG = RetainedConfig(page_bytes=16384, data_pages=4, tier1_parity=1, tier2_parity=1, record_bytes=1 << 16)
 
 
-def build(args: argparse.Namespace, mesh) -> tuple[ShardedLM, torch.optim.AdamW]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = ShardedLM(args.dim, 2 * args.dim, args.blocks, 0.0)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The example's model and optimizer (``plain_fsdp2.build``), without dropout."""
+    return plain_fsdp2.build(argparse.Namespace(dim=args.dim, hidden=2 * args.dim, blocks=args.blocks, dropout=0.0,
+                                                lr=1e-3, hsdp=1))
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, jobs: tuple[str, str], out: dict) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     torch.set_num_threads(1)
     world = args.nodes * args.ranks_per_node
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
     node, local = divmod(rank, args.ranks_per_node)
     runs = []
     for tier3, job in zip((0, 1), jobs):
-        model, opt = build(args, mesh)
+        model, opt = build(args)
         bound = create_fsdp2(model, opt, RetainedConfig(**{**CONFIG.__dict__, "tier3_parity": tier3}), job_id=job,
                              rank=rank, node=node, local_rank=local, n_local=args.ranks_per_node,
                              barrier=dist.barrier)
